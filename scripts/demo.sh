@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Sets up .venv (see setup.sh) and runs the main job: a short ActorQ comparison.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+export MUJOCO_GL="${MUJOCO_GL:-disable}"
+exec .venv/bin/python experiments/demo.py "$@"
