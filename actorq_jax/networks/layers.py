@@ -1,0 +1,49 @@
+"""A Dense layer whose kernel may be float, fake-quantized or packed int8.
+
+Quantization is injected into the same model (AQT style) rather than kept in a
+second copy of each network: the layer looks at the kind of kernel it is given
+at apply time and picks the matching matmul. The parameter tree of a float
+network, of its `quantize(...)` output and of `kernels.pack_params(...)` all
+apply through the same module.
+"""
+
+from typing import Any, Callable, Optional
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+Initializer = Callable[..., Any]
+
+
+def apply_dense(x: jnp.ndarray, kernel: Any, bias: Optional[jnp.ndarray]) -> jnp.ndarray:
+    """Computes x @ kernel + bias for a float, half, QuantizedTensor or Int8DenseWeight kernel."""
+    if isinstance(kernel, jnp.ndarray) or hasattr(kernel, "__array__"):
+        y = jnp.dot(x, jnp.asarray(kernel).astype(x.dtype))
+        return y if bias is None else y + bias.astype(x.dtype)
+    # Imported lazily: the float path (the learner's) needs neither module.
+    from actorq_jax import kernels, quantization
+
+    if isinstance(kernel, kernels.Int8DenseWeight):
+        return kernels.int8_dense(x, kernel, None if bias is None else bias.astype(x.dtype))
+    if isinstance(kernel, quantization.QuantizedTensor):
+        y = jnp.dot(x, quantization.dequantize_tensor(kernel).astype(x.dtype))
+        return y if bias is None else y + bias.astype(x.dtype)
+    raise TypeError(f"Dense kernel of unsupported type {type(kernel).__name__}")
+
+
+class Dense(nn.Module):
+    """Fully connected layer: y = x @ kernel + bias, with float, quantized or int8 kernels."""
+
+    features: int
+    use_bias: bool = True
+    kernel_init: Initializer = nn.initializers.lecun_normal()
+
+    @nn.compact
+    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+        kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features), jnp.float32)
+        bias = (
+            self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32)
+            if self.use_bias
+            else None
+        )
+        return apply_dense(x, kernel, bias)

@@ -1,0 +1,115 @@
+"""Network modules for D4PG (policy, distributional critic) and DQN (Q-network)."""
+
+from typing import Callable, Optional, Sequence, Tuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from actorq_jax.networks.layers import Dense
+
+_ACTIVATIONS = {"relu": nn.relu, "elu": nn.elu, "tanh": jnp.tanh}
+
+
+def _activation(name: str) -> Callable[[jnp.ndarray], jnp.ndarray]:
+    if name not in _ACTIVATIONS:
+        raise ValueError(f"unknown activation {name!r}; choose one of {sorted(_ACTIVATIONS)}")
+    return _ACTIVATIONS[name]
+
+
+def parse_layer_sizes(text: str) -> Tuple[int, ...]:
+    """Parses a comma list such as '256,256,256' into layer sizes, raising ValueError when malformed."""
+    parts = [p.strip() for p in str(text).split(",")]
+    try:
+        sizes = tuple(int(p) for p in parts)
+    except ValueError:
+        raise ValueError(f"malformed layer list {text!r}: expected positive integers like 256,256") from None
+    if not sizes or any(s <= 0 for s in sizes):
+        raise ValueError(f"malformed layer list {text!r}: expected positive integers like 256,256")
+    return sizes
+
+
+class MLP(nn.Module):
+    """Multi-layer perceptron; with layer_norm the first layer is Dense -> LayerNorm -> tanh (Acme's LayerNormMLP)."""
+
+    layer_sizes: Sequence[int]
+    activation: str = "relu"
+    layer_norm: bool = False
+    activate_final: bool = True
+
+    @nn.compact
+    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+        act = _activation(self.activation)
+        for i, size in enumerate(self.layer_sizes):
+            x = Dense(size, name=f"Dense_{i}")(x)
+            last = i == len(self.layer_sizes) - 1
+            if i == 0 and self.layer_norm:
+                # Normalising the first layer keeps the scale of raw observations out of the rest.
+                x = jnp.tanh(nn.LayerNorm(name="LayerNorm_0")(x))
+            elif not last or self.activate_final:
+                x = act(x)
+        return x
+
+
+class PolicyNetwork(nn.Module):
+    """Deterministic D4PG policy: MLP torso, a near-zero-initialised head, tanh squashed to the action bounds."""
+
+    action_dim: int
+    layer_sizes: Sequence[int] = (256, 256, 256)
+    layer_norm: bool = False
+    activation: str = "relu"
+    action_minimum: Optional[Tuple[float, ...]] = None
+    action_maximum: Optional[Tuple[float, ...]] = None
+
+    @nn.compact
+    def __call__(self, observation: jnp.ndarray) -> jnp.ndarray:
+        x = MLP(self.layer_sizes, self.activation, self.layer_norm, name="torso")(observation)
+        # A tiny head keeps the initial policy near the centre of the action range (as in Acme).
+        head_init = nn.initializers.variance_scaling(1e-4, "fan_in", "uniform")
+        x = jnp.tanh(Dense(self.action_dim, kernel_init=head_init, name="head")(x))
+        if self.action_minimum is None or self.action_maximum is None:
+            return x
+        low = jnp.asarray(self.action_minimum, jnp.float32)
+        high = jnp.asarray(self.action_maximum, jnp.float32)
+        return low + (x + 1.0) * 0.5 * (high - low)
+
+
+class CriticNetwork(nn.Module):
+    """Distributional D4PG critic: LayerNorm-MLP over (observation, action) -> logits over value atoms."""
+
+    layer_sizes: Sequence[int] = (512, 512, 256)
+    num_atoms: int = 51
+    layer_norm: bool = True
+    activation: str = "elu"
+
+    @nn.compact
+    def __call__(self, observation: jnp.ndarray, action: jnp.ndarray) -> jnp.ndarray:
+        x = jnp.concatenate([observation, action.astype(observation.dtype)], axis=-1)
+        x = MLP(self.layer_sizes, self.activation, self.layer_norm, name="torso")(x)
+        return Dense(self.num_atoms, name="head")(x)
+
+
+class QNetwork(nn.Module):
+    """DQN Q-network: MLP torso -> one value per discrete action."""
+
+    num_actions: int
+    layer_sizes: Sequence[int] = (256, 256)
+    activation: str = "relu"
+    layer_norm: bool = False
+
+    @nn.compact
+    def __call__(self, observation: jnp.ndarray) -> jnp.ndarray:
+        x = MLP(self.layer_sizes, self.activation, self.layer_norm, name="torso")(observation)
+        return Dense(self.num_actions, name="head")(x)
+
+
+def value_atoms(v_min: float, v_max: float, num_atoms: int) -> jnp.ndarray:
+    """The support of the critic's categorical distribution."""
+    if num_atoms < 2 or not v_min < v_max:
+        raise ValueError(f"need num_atoms >= 2 and v_min < v_max, got {num_atoms}, [{v_min}, {v_max}]")
+    return jnp.linspace(v_min, v_max, num_atoms, dtype=jnp.float32)
+
+
+def categorical_mean(logits: jnp.ndarray, atoms: jnp.ndarray) -> jnp.ndarray:
+    """Expected value of a categorical distribution over atoms given its logits."""
+    return jnp.sum(jax.nn.softmax(logits, axis=-1) * atoms, axis=-1)
