@@ -1,0 +1,69 @@
+"""Fast CPU int8 inference for actors: XLA FFI dense-layer kernels plus their pure-jnp reference.
+
+    from actorq_jax.kernels import pack_params, int8_dense, kernel_available, set_num_threads
+
+    int8_params = pack_params(quantize(params, QuantConfig(bits=8)))   # repack once at load
+    actions = policy.apply(int8_params, obs)                           # Dense -> int8_dense
+
+The compiled library (``python -m actorq_jax.kernels.build``; setup.py builds it
+on install) picks AVX-512 VNNI, AVX2+FMA or portable scalar code at run time.
+Without it every call falls back to ``reference_int8_dense`` after one warning.
+"""
+
+from actorq_jax.kernels import _library
+from actorq_jax.kernels.dense import (
+    Int8DenseWeight,
+    int8_dense,
+    pack_dense,
+    pack_params,
+    quantize_rows,
+    reference_int8_dense,
+)
+
+
+def kernel_available() -> bool:
+    """Whether the compiled int8 library is loaded (otherwise int8_dense uses the jnp reference)."""
+    return _library.state().lib is not None
+
+
+def kernel_path() -> str:
+    """The path int8_dense uses by default: "avx512", "avx2", "scalar", or "reference" without the library."""
+    return _library.best_path()
+
+
+def describe_kernel() -> str:
+    """One line naming the chosen path, the library file and the thread count (or why it is missing)."""
+    state = _library.state()
+    if state.lib is None:
+        return f"int8 kernel unavailable ({state.reason}); using the jnp reference"
+    return f"int8 kernel: {kernel_path()} path, {get_num_threads()} thread(s), {state.path}"
+
+
+def set_num_threads(n: int) -> None:
+    """Sets how many threads each int8 kernel call may use (default 1; takes effect at once, also in jitted code)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"number of threads must be an int >= 1, got {n!r}")
+    lib = _library.state().lib
+    if lib is not None:
+        lib.actorq_set_num_threads(n)
+
+
+def get_num_threads() -> int:
+    """Threads each int8 kernel call may use (1 when the library is missing)."""
+    lib = _library.state().lib
+    return 1 if lib is None else int(lib.actorq_get_num_threads())
+
+
+__all__ = [
+    "Int8DenseWeight",
+    "pack_dense",
+    "int8_dense",
+    "reference_int8_dense",
+    "quantize_rows",
+    "pack_params",
+    "kernel_available",
+    "kernel_path",
+    "describe_kernel",
+    "set_num_threads",
+    "get_num_threads",
+]

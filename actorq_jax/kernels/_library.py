@@ -1,0 +1,99 @@
+"""Loads the compiled int8 library once, registers its FFI targets, reports why if it cannot."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Optional
+
+from actorq_jax.kernels.build import HERE, SOURCE, library_filename
+
+logger = logging.getLogger(__name__)
+
+# Environment variables read by this package.
+ENV_LIBRARY = "ACTORQ_KERNEL_LIBRARY"  # path of the library to load instead of the built one
+ENV_PATH = "ACTORQ_KERNEL_PATH"  # default instruction-set path: auto|scalar|avx2|avx512|reference
+
+TARGET_W8A32 = "actorq_int8_dense_w8a32"
+TARGET_W8A8 = "actorq_int8_dense_w8a8"
+
+# Path names <-> the integer codes the C++ handlers take as the "path" attribute.
+PATH_CODES = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3}
+PATH_NAMES = {code: name for name, code in PATH_CODES.items()}
+
+
+class _State:
+    """What loading found: the ctypes library, or the reason there is none."""
+
+    def __init__(self) -> None:
+        self.lib: Optional[ctypes.CDLL] = None
+        self.path: Optional[Path] = None
+        self.reason: str = "not loaded yet"
+
+
+_state: Optional[_State] = None
+_lock = threading.Lock()
+
+
+def library_path() -> Path:
+    """Where the library is loaded from ($ACTORQ_KERNEL_LIBRARY, else next to the sources)."""
+    override = os.environ.get(ENV_LIBRARY)
+    return Path(override) if override else HERE / library_filename()
+
+
+def _load() -> _State:
+    state = _State()
+    path = library_path()
+    state.path = path
+    if not path.exists():
+        state.reason = f"{path} does not exist (build it: python -m actorq_jax.kernels.build)"
+        return state
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(path))
+        for name, argtypes in (
+            ("actorq_best_path", []),
+            ("actorq_path_supported", [ctypes.c_int64]),
+            ("actorq_set_num_threads", [ctypes.c_int64]),
+            ("actorq_get_num_threads", []),
+        ):
+            fn = getattr(lib, name)
+            fn.argtypes = argtypes
+            fn.restype = None if name == "actorq_set_num_threads" else ctypes.c_int64
+        from jax.extend import ffi as jffi
+
+        jffi.register_ffi_target(TARGET_W8A32, jffi.pycapsule(lib.ActorqInt8DenseW8A32), platform="cpu")
+        jffi.register_ffi_target(TARGET_W8A8, jffi.pycapsule(lib.ActorqInt8DenseW8A8), platform="cpu")
+    except (OSError, AttributeError) as exc:
+        state.reason = f"cannot load {path}: {exc}"
+        return state
+    if SOURCE.exists() and path.parent == HERE and SOURCE.stat().st_mtime > path.stat().st_mtime:
+        # Still usable (the FFI checks signatures at run time), but likely out of date.
+        logger.warning("%s is older than %s; rebuild with python -m actorq_jax.kernels.build",
+                       path.name, SOURCE.name)
+    state.lib = lib
+    state.reason = "loaded"
+    return state
+
+
+def state() -> _State:
+    """The process-wide load result (loads and registers on first use)."""
+    global _state
+    with _lock:
+        if _state is None:
+            _state = _load()
+        return _state
+
+
+def best_path() -> str:
+    """Fastest path this CPU supports ("avx512", "avx2" or "scalar"), or "reference" without the library."""
+    lib = state().lib
+    return "reference" if lib is None else PATH_NAMES[int(lib.actorq_best_path())]
+
+
+def path_supported(name: str) -> bool:
+    """Whether the library is loaded and this CPU can run the named path."""
+    lib = state().lib
+    return lib is not None and bool(lib.actorq_path_supported(PATH_CODES[name]))

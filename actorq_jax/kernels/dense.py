@@ -1,0 +1,242 @@
+"""Int8 dense layers: packed weights, the FFI call, and the pure-jnp reference of the same math.
+
+    y = x @ (Wq * scale) + bias          (W8A32: float activations)
+    y = (q(x) @ Wq) * (sx * scale) + bias (W8A8: x quantized per row to +-127)
+
+``pack_dense`` repacks int8 weights once, at load time, into the kernel's
+panel layout; ``int8_dense`` runs inside ``jax.jit`` and falls back to
+``reference_int8_dense`` (warning once, naming why) when the library is missing.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from actorq_jax.kernels import _library
+
+PANEL = 16  # output columns per weight panel
+MODES = ("w8a32", "w8a8")
+PATHS = ("auto", "scalar", "avx2", "avx512", "reference")
+
+
+@struct.dataclass
+class Int8DenseWeight:
+    """Int8 dense-layer weights packed for the kernel (a pytree node; shapes and mode are static).
+
+    packed: int8; w8a32: ``[P, K, 16]`` (16-column panels, K contiguous);
+      w8a8: ``[P, ceil(K/4), 64]`` (per panel, groups of 4 consecutive k per column).
+      P = ceil(N / 16); padding is zero.
+    scale: float32 ``(N,)``, per output channel.
+    colsum: int32 ``(P * 16,)``, column sums of the int8 weights (the VNNI W8A8 path needs them).
+    """
+
+    packed: Any
+    scale: Any
+    colsum: Any
+    in_features: int = struct.field(pytree_node=False)
+    out_features: int = struct.field(pytree_node=False)
+    mode: str = struct.field(pytree_node=False, default="w8a32")
+
+    @property
+    def panels(self) -> int:
+        """Number of 16-column panels."""
+        return -(-self.out_features // PANEL)
+
+    def packed_shape(self) -> tuple:
+        """The shape ``packed`` must have for this mode and size."""
+        if self.mode == "w8a32":
+            return (self.panels, self.in_features, PANEL)
+        return (self.panels, -(-self.in_features // 4), 4 * PANEL)
+
+    def unpack(self) -> jnp.ndarray:
+        """The int8 weights as ``[K, N]`` (traceable)."""
+        K, N, P = self.in_features, self.out_features, self.panels
+        packed = jnp.asarray(self.packed)
+        if self.mode == "w8a32":
+            return packed.transpose(1, 0, 2).reshape(K, P * PANEL)[:, :N]
+        K4 = packed.shape[1]
+        full = packed.reshape(P, K4, PANEL, 4).transpose(1, 3, 0, 2).reshape(K4 * 4, P * PANEL)
+        return full[:K, :N]
+
+
+def pack_dense(values: Any, scale: Any, mode: str = "w8a32") -> Int8DenseWeight:
+    """Repacks int8 weights ``[K, N]`` and their scale ((N,) or ()) into an Int8DenseWeight."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    values = np.asarray(values)
+    if values.dtype != np.int8:
+        raise ValueError(f"values must be int8, got dtype {values.dtype}")
+    if values.ndim != 2 or 0 in values.shape:
+        raise ValueError(f"values must be a non-empty 2-D [K, N] array, got shape {values.shape}")
+    K, N = values.shape
+    scale = np.asarray(scale)
+    if not np.issubdtype(scale.dtype, np.floating):
+        raise ValueError(f"scale must be floating, got dtype {scale.dtype}")
+    if scale.shape not in ((), (N,)):
+        raise ValueError(f"scale must have shape () or ({N},), got {scale.shape}")
+    scale = np.broadcast_to(scale.astype(np.float32), (N,)).copy()
+    P = -(-N // PANEL)
+    if mode == "w8a32":
+        full = np.zeros((K, P * PANEL), np.int8)
+        full[:, :N] = values
+        packed = full.reshape(K, P, PANEL).transpose(1, 0, 2)
+    else:
+        K4 = -(-K // 4)
+        full = np.zeros((K4 * 4, P * PANEL), np.int8)
+        full[:K, :N] = values
+        packed = full.reshape(K4, 4, P, PANEL).transpose(2, 0, 3, 1).reshape(P, K4, 4 * PANEL)
+    colsum = full.astype(np.int32).sum(axis=0)
+    return Int8DenseWeight(
+        packed=jnp.asarray(np.ascontiguousarray(packed)),
+        scale=jnp.asarray(scale),
+        colsum=jnp.asarray(colsum, jnp.int32),
+        in_features=int(K),
+        out_features=int(N),
+        mode=mode,
+    )
+
+
+def quantize_rows(x: jnp.ndarray) -> tuple:
+    """W8A8 activation quantization per row: (int8 q, float32 row scale sx), x ~= q * sx."""
+    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    inv = jnp.where(amax > 0, jnp.float32(127.0) / jnp.where(amax > 0, amax, 1.0), 0.0)
+    q = jnp.clip(jnp.round(x * inv), -127, 127).astype(jnp.int8)
+    return q, amax / jnp.float32(127.0)
+
+
+def reference_int8_dense(x: jnp.ndarray, w: Int8DenseWeight, bias: Optional[jnp.ndarray] = None) -> jnp.ndarray:
+    """The kernel's math in pure jnp (float32 [..., K] -> float32 [..., N])."""
+    x, bias = _check(x, w, bias)
+    wq = w.unpack()
+    scale = jnp.asarray(w.scale, jnp.float32)
+    if w.mode == "w8a32":
+        y = jnp.dot(x, wq.astype(jnp.float32) * scale)
+    else:
+        q, sx = quantize_rows(x)
+        acc = jax.lax.dot_general(
+            q, wq, (((q.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.int32
+        )
+        y = acc.astype(jnp.float32) * (sx * scale)
+    return y + bias
+
+
+_warned_fallback = False
+
+
+def _warn_fallback_once(reason: str) -> None:
+    global _warned_fallback
+    if not _warned_fallback:
+        _warned_fallback = True
+        warnings.warn(
+            f"actorq int8 kernel unavailable ({reason}); using the pure-jnp reference "
+            "(same results, much slower)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def _default_path() -> str:
+    path = os.environ.get(_library.ENV_PATH, "auto").strip().lower() or "auto"
+    if path not in PATHS:
+        raise ValueError(f"${_library.ENV_PATH} must be one of {PATHS}, got {path!r}")
+    return path
+
+
+def _check(x: Any, w: Any, bias: Any) -> tuple:
+    """Validates int8_dense's inputs; returns (x, bias) with bias materialised as float32 (N,)."""
+    if not isinstance(w, Int8DenseWeight):
+        raise ValueError(f"w must be an Int8DenseWeight (see pack_dense), got {type(w).__name__}")
+    if w.mode not in MODES:
+        raise ValueError(f"Int8DenseWeight.mode must be one of {MODES}, got {w.mode!r}")
+    K, N = w.in_features, w.out_features
+    x_dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+    if x_dtype != jnp.float32:
+        raise ValueError(f"x must be float32, got dtype {x_dtype}")
+    x = jnp.asarray(x)
+    if x.ndim < 1 or x.shape[-1] != K:
+        raise ValueError(f"x must have shape [..., {K}] (in_features), got {tuple(x.shape)}")
+    packed = w.packed
+    if jnp.result_type(packed) != jnp.int8 or tuple(np.shape(packed)) != w.packed_shape():
+        raise ValueError(
+            f"packed weights must be int8 of shape {w.packed_shape()} for mode {w.mode!r}, "
+            f"got {jnp.result_type(packed)} {tuple(np.shape(packed))}"
+        )
+    if jnp.result_type(w.scale) != jnp.float32 or tuple(np.shape(w.scale)) != (N,):
+        raise ValueError(f"scale must be float32 of shape ({N},), got {jnp.result_type(w.scale)} {np.shape(w.scale)}")
+    if tuple(np.shape(w.colsum)) != (w.panels * PANEL,) or jnp.result_type(w.colsum) != jnp.int32:
+        raise ValueError(f"colsum must be int32 of shape ({w.panels * PANEL},), got {np.shape(w.colsum)}")
+    if bias is None:
+        bias = jnp.zeros((N,), jnp.float32)
+    else:
+        b_dtype = bias.dtype if hasattr(bias, "dtype") else np.asarray(bias).dtype
+        if b_dtype != jnp.float32 or tuple(np.shape(bias)) != (N,):
+            raise ValueError(f"bias must be float32 of shape ({N},), got {b_dtype} {tuple(np.shape(bias))}")
+        bias = jnp.asarray(bias)
+    return x, bias
+
+
+def int8_dense(
+    x: jnp.ndarray,
+    w: Int8DenseWeight,
+    bias: Optional[jnp.ndarray] = None,
+    *,
+    path: Optional[str] = None,
+) -> jnp.ndarray:
+    """Int8 dense layer ``x @ (Wq * scale) + bias`` through the CPU kernel (jit-compatible).
+
+    ``path`` forces an instruction-set path ("scalar", "avx2", "avx512") or the
+    jnp "reference"; default $ACTORQ_KERNEL_PATH or "auto" (the fastest this CPU has).
+    """
+    path = _default_path() if path is None else path
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    x, bias = _check(x, w, bias)
+    if path == "reference":
+        return reference_int8_dense(x, w, bias)
+    state = _library.state()
+    if state.lib is None:
+        _warn_fallback_once(state.reason)
+        return reference_int8_dense(x, w, bias)
+    if not _library.path_supported(path):
+        raise ValueError(f"kernel path {path!r} is not supported by this CPU (best: {_library.best_path()})")
+    K, N = w.in_features, w.out_features
+    lead = tuple(x.shape[:-1])
+    M = math.prod(lead)
+    if M == 0:
+        return jnp.zeros(lead + (N,), jnp.float32)
+    from jax.extend import ffi as jffi
+
+    out = jax.ShapeDtypeStruct((M, N), jnp.float32)
+    args = [x.reshape(M, K), w.packed, w.scale, bias]
+    if w.mode == "w8a8":
+        args.append(w.colsum)
+    target = _library.TARGET_W8A32 if w.mode == "w8a32" else _library.TARGET_W8A8
+    y = jffi.ffi_call(target, out, *args, out_features=int(N), path=_library.PATH_CODES[path])
+    return y.reshape(lead + (N,))
+
+
+def pack_params(qparams: Any, mode: str = "w8a32") -> Any:
+    """Replaces symmetric 2-D QuantizedTensor leaves (bits <= 8) by Int8DenseWeight; asymmetric ones become float32."""
+    from actorq_jax import quantization
+
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+
+    def convert(leaf: Any) -> Any:
+        if not quantization.is_quantized_leaf(leaf):
+            return leaf
+        if leaf.zero_point is not None:
+            return quantization.dequantize_tensor(leaf)
+        if leaf.bits <= 8 and np.ndim(leaf.values) == 2:
+            return pack_dense(np.asarray(leaf.values), np.asarray(leaf.scale), mode)
+        return leaf
+
+    return jax.tree_util.tree_map(convert, qparams, is_leaf=quantization.is_quantized_leaf)

@@ -1,0 +1,673 @@
+// Int8 dense layers for CPU actor inference, exposed as XLA FFI handlers.
+//
+//   y[m, n] = sum_k x[m, k] * Wq[k, n] * scale[n] + bias[n]
+//
+// Two variants:
+//   W8A32  float activations, int8 weights in 16-column panels [P, K, 16].
+//   W8A8   activations quantized per row to int8 (+-127, round half to even),
+//          int32 accumulation, weights in panels [P, K4, 16 * 4] where each
+//          group of 4 consecutive k of one column is contiguous (the operand
+//          layout of maddubs / vpdpbusd).
+// P = ceil(N / 16); padding columns / rows are zero. Repacking is done once,
+// in Python, when the weights are loaded.
+//
+// Instruction-set paths (chosen per call, never by compile flags, so the
+// library loads on any x86-64 CPU): portable scalar C++, AVX2+FMA, and
+// AVX-512 (F+BW, plus VNNI for W8A8). Every SIMD function carries its own
+// target attribute.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kPanel = 16;
+
+enum Path : int64_t { kAuto = 0, kScalar = 1, kAvx2 = 2, kAvx512 = 3 };
+
+bool CpuHasAvx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+bool CpuHasAvx512() {
+  __builtin_cpu_init();
+  return CpuHasAvx2() && __builtin_cpu_supports("avx512f") &&
+         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+}
+
+int64_t BestPath() {
+  static const int64_t best = CpuHasAvx512() ? kAvx512 : (CpuHasAvx2() ? kAvx2 : kScalar);
+  return best;
+}
+
+bool PathSupported(int64_t path) {
+  switch (path) {
+    case kAuto:
+    case kScalar:
+      return true;
+    case kAvx2:
+      return CpuHasAvx2();
+    case kAvx512:
+      return CpuHasAvx512();
+    default:
+      return false;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Thread pool. Every job waits until each worker has finished with it, so a
+// worker can never run a stale job's function, and a worker that starts late
+// still sees the job through the generation counter (it cannot miss it).
+class Pool {
+ public:
+  ~Pool() { Resize(0); }
+
+  int Workers() const { return static_cast<int>(threads_.size()); }
+
+  void Resize(int workers) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    work_cv_.notify_all();
+    for (auto& t : threads_) t.join();
+    threads_.clear();
+    stop_ = false;
+    for (int i = 0; i < workers; ++i) threads_.emplace_back([this] { WorkerLoop(); });
+  }
+
+  // Runs fn(0..ntasks-1) on the calling thread and the workers; returns when all are done.
+  void Run(int64_t ntasks, const std::function<void(int64_t)>& fn) {
+    if (threads_.empty() || ntasks <= 1) {
+      for (int64_t i = 0; i < ntasks; ++i) fn(i);
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      fn_ = &fn;
+      ntasks_ = ntasks;
+      next_.store(0);
+      pending_ = static_cast<int>(threads_.size());
+      ++generation_;
+    }
+    work_cv_.notify_all();
+    Drain(fn, ntasks);
+    std::unique_lock<std::mutex> lock(mu_);
+    done_cv_.wait(lock, [this] { return pending_ == 0; });
+    fn_ = nullptr;
+  }
+
+ private:
+  void Drain(const std::function<void(int64_t)>& fn, int64_t ntasks) {
+    for (int64_t i = next_.fetch_add(1); i < ntasks; i = next_.fetch_add(1)) fn(i);
+  }
+
+  void WorkerLoop() {
+    uint64_t seen;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      seen = generation_;
+    }
+    for (;;) {
+      const std::function<void(int64_t)>* fn;
+      int64_t ntasks;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        work_cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
+        if (stop_) return;
+        seen = generation_;
+        fn = fn_;
+        ntasks = ntasks_;
+      }
+      Drain(*fn, ntasks);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (--pending_ == 0) done_cv_.notify_one();
+      }
+    }
+  }
+
+  std::vector<std::thread> threads_;
+  std::mutex mu_;
+  std::condition_variable work_cv_, done_cv_;
+  uint64_t generation_ = 0;
+  bool stop_ = false;
+  const std::function<void(int64_t)>* fn_ = nullptr;
+  int64_t ntasks_ = 0;
+  std::atomic<int64_t> next_{0};
+  int pending_ = 0;
+};
+
+std::mutex g_pool_mu;  // serialises calls that use the pool, and resizing
+std::atomic<int> g_num_threads{1};
+
+Pool& GlobalPool() {
+  static Pool* pool = new Pool();  // leaked on purpose: no join at process exit
+  return *pool;
+}
+
+// Work below this many multiply-adds runs on the calling thread only: waking
+// a worker costs more than it saves.
+constexpr int64_t kParallelMinMacs = int64_t{1} << 18;
+
+// Splits the panels [0, P) into contiguous ranges and runs body(p0, p1) on them.
+void ForPanels(int64_t P, int64_t macs, const std::function<void(int64_t, int64_t)>& body) {
+  const int threads = g_num_threads.load();
+  if (threads <= 1 || macs < kParallelMinMacs || P < 2) {
+    body(0, P);
+    return;
+  }
+  std::lock_guard<std::mutex> lock(g_pool_mu);
+  Pool& pool = GlobalPool();
+  if (pool.Workers() != threads - 1) pool.Resize(threads - 1);
+  const int64_t ntasks = std::min<int64_t>(threads, P);
+  pool.Run(ntasks, [&](int64_t t) {
+    const int64_t p0 = P * t / ntasks, p1 = P * (t + 1) / ntasks;
+    if (p1 > p0) body(p0, p1);
+  });
+}
+
+// ---------------------------------------------------------------------------
+// Shared geometry of one call.
+struct Geometry {
+  int64_t M, K, N, P;
+};
+
+// Loads scale and bias for the 16 columns of panel p into padded arrays.
+inline void PanelEpilogueParams(const float* scale, const float* bias, int64_t n0, int64_t N,
+                                float* s16, float* b16) {
+  for (int64_t c = 0; c < kPanel; ++c) {
+    const int64_t n = n0 + c;
+    s16[c] = n < N ? scale[n] : 0.f;
+    b16[c] = n < N ? bias[n] : 0.f;
+  }
+}
+
+inline int64_t ValidCols(int64_t n0, int64_t N) { return std::min<int64_t>(kPanel, N - n0); }
+
+// ---------------------------------------------------------------------------
+// W8A32, scalar.
+void W8A32Scalar(const Geometry& g, const float* x, const int8_t* w, const float* scale,
+                 const float* bias, float* y, int64_t p0, int64_t p1) {
+  for (int64_t p = p0; p < p1; ++p) {
+    const int8_t* wp = w + p * g.K * kPanel;
+    const int64_t n0 = p * kPanel, nc = ValidCols(n0, g.N);
+    for (int64_t m = 0; m < g.M; ++m) {
+      const float* xr = x + m * g.K;
+      float acc[kPanel] = {0.f};
+      for (int64_t k = 0; k < g.K; ++k) {
+        const float xv = xr[k];
+        const int8_t* wk = wp + k * kPanel;
+        for (int64_t c = 0; c < kPanel; ++c) acc[c] += xv * static_cast<float>(wk[c]);
+      }
+      for (int64_t c = 0; c < nc; ++c) y[m * g.N + n0 + c] = acc[c] * scale[n0 + c] + bias[n0 + c];
+    }
+  }
+}
+
+// W8A32, AVX2 + FMA: R rows x 16 columns per tile; U independent accumulator
+// sets over k hide the FMA latency when R is small.
+template <int R, int U>
+__attribute__((target("avx2,fma"))) void W8A32Avx2Tile(const Geometry& g, const float* x,
+                                                      const int8_t* wp, const float* s16,
+                                                      const float* b16, float* y, int64_t n0) {
+  __m256 acc[U][R][2];
+  for (int u = 0; u < U; ++u)
+    for (int r = 0; r < R; ++r) acc[u][r][0] = acc[u][r][1] = _mm256_setzero_ps();
+  const int64_t K = g.K;
+  int64_t k = 0;
+  for (; k + U <= K; k += U) {
+    for (int u = 0; u < U; ++u) {
+      const int8_t* wk = wp + (k + u) * kPanel;
+      const __m256 w0 = _mm256_cvtepi32_ps(
+          _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wk))));
+      const __m256 w1 = _mm256_cvtepi32_ps(
+          _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wk + 8))));
+      for (int r = 0; r < R; ++r) {
+        const __m256 xb = _mm256_broadcast_ss(x + r * K + k + u);
+        acc[u][r][0] = _mm256_fmadd_ps(xb, w0, acc[u][r][0]);
+        acc[u][r][1] = _mm256_fmadd_ps(xb, w1, acc[u][r][1]);
+      }
+    }
+  }
+  for (; k < K; ++k) {
+    const int8_t* wk = wp + k * kPanel;
+    const __m256 w0 = _mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wk))));
+    const __m256 w1 = _mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wk + 8))));
+    for (int r = 0; r < R; ++r) {
+      const __m256 xb = _mm256_broadcast_ss(x + r * K + k);
+      acc[0][r][0] = _mm256_fmadd_ps(xb, w0, acc[0][r][0]);
+      acc[0][r][1] = _mm256_fmadd_ps(xb, w1, acc[0][r][1]);
+    }
+  }
+  const __m256 s0 = _mm256_loadu_ps(s16), s1 = _mm256_loadu_ps(s16 + 8);
+  const __m256 b0 = _mm256_loadu_ps(b16), b1 = _mm256_loadu_ps(b16 + 8);
+  const int64_t nc = ValidCols(n0, g.N);
+  for (int r = 0; r < R; ++r) {
+    __m256 a0 = acc[0][r][0], a1 = acc[0][r][1];
+    for (int u = 1; u < U; ++u) {
+      a0 = _mm256_add_ps(a0, acc[u][r][0]);
+      a1 = _mm256_add_ps(a1, acc[u][r][1]);
+    }
+    float* yr = y + r * g.N + n0;
+    if (nc == kPanel) {
+      _mm256_storeu_ps(yr, _mm256_fmadd_ps(a0, s0, b0));
+      _mm256_storeu_ps(yr + 8, _mm256_fmadd_ps(a1, s1, b1));
+    } else {
+      alignas(32) float tmp[kPanel];
+      _mm256_store_ps(tmp, _mm256_fmadd_ps(a0, s0, b0));
+      _mm256_store_ps(tmp + 8, _mm256_fmadd_ps(a1, s1, b1));
+      std::memcpy(yr, tmp, nc * sizeof(float));
+    }
+  }
+}
+
+__attribute__((target("avx2,fma"))) void W8A32Avx2(const Geometry& g, const float* x,
+                                                  const int8_t* w, const float* scale,
+                                                  const float* bias, float* y, int64_t p0,
+                                                  int64_t p1) {
+  for (int64_t p = p0; p < p1; ++p) {
+    const int8_t* wp = w + p * g.K * kPanel;
+    const int64_t n0 = p * kPanel;
+    float s16[kPanel], b16[kPanel];
+    PanelEpilogueParams(scale, bias, n0, g.N, s16, b16);
+    for (int64_t m0 = 0; m0 < g.M; m0 += 6) {
+      const float* xt = x + m0 * g.K;
+      float* yt = y + m0 * g.N;
+      switch (std::min<int64_t>(6, g.M - m0)) {
+        case 6: W8A32Avx2Tile<6, 1>(g, xt, wp, s16, b16, yt, n0); break;
+        case 5: W8A32Avx2Tile<5, 1>(g, xt, wp, s16, b16, yt, n0); break;
+        case 4: W8A32Avx2Tile<4, 1>(g, xt, wp, s16, b16, yt, n0); break;
+        case 3: W8A32Avx2Tile<3, 1>(g, xt, wp, s16, b16, yt, n0); break;
+        case 2: W8A32Avx2Tile<2, 2>(g, xt, wp, s16, b16, yt, n0); break;
+        default: W8A32Avx2Tile<1, 4>(g, xt, wp, s16, b16, yt, n0); break;
+      }
+    }
+  }
+}
+
+// W8A32, AVX-512: one zmm holds a whole 16-column panel row.
+template <int R, int U>
+__attribute__((target("avx512f,avx512bw,avx2,fma"))) void W8A32Avx512Tile(
+    const Geometry& g, const float* x, const int8_t* wp, const float* scale, const float* bias,
+    float* y, int64_t n0) {
+  __m512 acc[U][R];
+  for (int u = 0; u < U; ++u)
+    for (int r = 0; r < R; ++r) acc[u][r] = _mm512_setzero_ps();
+  const int64_t K = g.K;
+  int64_t k = 0;
+  for (; k + U <= K; k += U) {
+    for (int u = 0; u < U; ++u) {
+      const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + (k + u) * kPanel))));
+      for (int r = 0; r < R; ++r)
+        acc[u][r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k + u]), wv, acc[u][r]);
+    }
+  }
+  for (; k < K; ++k) {
+    const __m512 wv = _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + k * kPanel))));
+    for (int r = 0; r < R; ++r)
+      acc[0][r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k]), wv, acc[0][r]);
+  }
+  const int64_t nc = ValidCols(n0, g.N);
+  const __mmask16 mask = static_cast<__mmask16>((1u << nc) - 1u);
+  const __m512 s = _mm512_maskz_loadu_ps(mask, scale + n0);
+  const __m512 b = _mm512_maskz_loadu_ps(mask, bias + n0);
+  for (int r = 0; r < R; ++r) {
+    __m512 a = acc[0][r];
+    for (int u = 1; u < U; ++u) a = _mm512_add_ps(a, acc[u][r]);
+    _mm512_mask_storeu_ps(y + r * g.N + n0, mask, _mm512_fmadd_ps(a, s, b));
+  }
+}
+
+__attribute__((target("avx512f,avx512bw,avx2,fma"))) void W8A32Avx512(
+    const Geometry& g, const float* x, const int8_t* w, const float* scale, const float* bias,
+    float* y, int64_t p0, int64_t p1) {
+  for (int64_t p = p0; p < p1; ++p) {
+    const int8_t* wp = w + p * g.K * kPanel;
+    const int64_t n0 = p * kPanel;
+    for (int64_t m0 = 0; m0 < g.M; m0 += 8) {
+      const float* xt = x + m0 * g.K;
+      float* yt = y + m0 * g.N;
+      switch (std::min<int64_t>(8, g.M - m0)) {
+        case 8: W8A32Avx512Tile<8, 1>(g, xt, wp, scale, bias, yt, n0); break;
+        case 7: W8A32Avx512Tile<7, 1>(g, xt, wp, scale, bias, yt, n0); break;
+        case 6: W8A32Avx512Tile<6, 1>(g, xt, wp, scale, bias, yt, n0); break;
+        case 5: W8A32Avx512Tile<5, 1>(g, xt, wp, scale, bias, yt, n0); break;
+        case 4: W8A32Avx512Tile<4, 1>(g, xt, wp, scale, bias, yt, n0); break;
+        case 3: W8A32Avx512Tile<3, 2>(g, xt, wp, scale, bias, yt, n0); break;
+        case 2: W8A32Avx512Tile<2, 2>(g, xt, wp, scale, bias, yt, n0); break;
+        default: W8A32Avx512Tile<1, 4>(g, xt, wp, scale, bias, yt, n0); break;
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// W8A8 activation quantization, shared by every path so that all of them
+// (and the jnp reference) see bit-identical int8 activations:
+//   amax = max|x|, inv = 127 / amax (0 if amax == 0), q = clip(rne(x * inv)),
+//   row scale sx = amax / 127.
+// Rounding uses the 1.5 * 2^23 trick (exact round-half-to-even for |v| < 2^22
+// in the default rounding mode), which avoids a libm call per element.
+void QuantizeRows(const float* x, int64_t M, int64_t K, int64_t K4, int8_t* q, float* sx) {
+  const float kMagic = 12582912.0f;
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * K;
+    float amax = 0.f;
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(xr[k]));
+    const float inv = amax > 0.f ? 127.0f / amax : 0.f;
+    sx[m] = amax / 127.0f;
+    int8_t* qr = q + m * K4 * 4;
+    for (int64_t k = 0; k < K; ++k) {
+      float v = xr[k] * inv;
+      v = std::min(127.f, std::max(-127.f, v));
+      v = (v + kMagic) - kMagic;
+      qr[k] = static_cast<int8_t>(v);
+    }
+    for (int64_t k = K; k < K4 * 4; ++k) qr[k] = 0;
+  }
+}
+
+// W8A8, scalar: exact int32 accumulation.
+void W8A8Scalar(const Geometry& g, int64_t K4, const int8_t* q, const float* sx, const int8_t* w,
+                const float* scale, const float* bias, float* y, int64_t p0, int64_t p1) {
+  for (int64_t p = p0; p < p1; ++p) {
+    const int8_t* wp = w + p * K4 * 4 * kPanel;
+    const int64_t n0 = p * kPanel, nc = ValidCols(n0, g.N);
+    for (int64_t m = 0; m < g.M; ++m) {
+      const int8_t* qr = q + m * K4 * 4;
+      int32_t acc[kPanel] = {0};
+      for (int64_t gi = 0; gi < K4; ++gi) {
+        const int8_t* wg = wp + gi * 4 * kPanel;
+        const int8_t* xg = qr + gi * 4;
+        for (int64_t c = 0; c < kPanel; ++c)
+          for (int j = 0; j < 4; ++j) acc[c] += int32_t{xg[j]} * int32_t{wg[c * 4 + j]};
+      }
+      for (int64_t c = 0; c < nc; ++c) {
+        const float s = sx[m] * scale[n0 + c];
+        y[m * g.N + n0 + c] = static_cast<float>(acc[c]) * s + bias[n0 + c];
+      }
+    }
+  }
+}
+
+// W8A8, AVX2: maddubs(|w|, sign(x, w)) equals w * x pairwise and cannot
+// saturate (|w| <= 128, |x| <= 127: 2 * 128 * 127 < 32767), so weights of
+// -128 are handled too; madd with ones widens pairs to int32.
+template <int R>
+__attribute__((target("avx2,fma"))) void W8A8Avx2Tile(const Geometry& g, int64_t K4,
+                                                     const int8_t* q, const float* sx,
+                                                     const int8_t* wp, const float* s16,
+                                                     const float* b16, float* y, int64_t n0) {
+  __m256i acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t ldq = K4 * 4;
+  for (int64_t gi = 0; gi < K4; ++gi) {
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + gi * 64));
+    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + gi * 64 + 32));
+    const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
+    for (int r = 0; r < R; ++r) {
+      int32_t xv;
+      std::memcpy(&xv, q + r * ldq + gi * 4, 4);
+      const __m256i xb = _mm256_set1_epi32(xv);
+      const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(xb, w0)), ones);
+      const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(xb, w1)), ones);
+      acc[r][0] = _mm256_add_epi32(acc[r][0], p0);
+      acc[r][1] = _mm256_add_epi32(acc[r][1], p1);
+    }
+  }
+  const __m256 sc0 = _mm256_loadu_ps(s16), sc1 = _mm256_loadu_ps(s16 + 8);
+  const __m256 b0 = _mm256_loadu_ps(b16), b1 = _mm256_loadu_ps(b16 + 8);
+  const int64_t nc = ValidCols(n0, g.N);
+  for (int r = 0; r < R; ++r) {
+    const __m256 rs = _mm256_set1_ps(sx[r]);
+    const __m256 o0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][0]), _mm256_mul_ps(rs, sc0), b0);
+    const __m256 o1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][1]), _mm256_mul_ps(rs, sc1), b1);
+    float* yr = y + r * g.N + n0;
+    if (nc == kPanel) {
+      _mm256_storeu_ps(yr, o0);
+      _mm256_storeu_ps(yr + 8, o1);
+    } else {
+      alignas(32) float tmp[kPanel];
+      _mm256_store_ps(tmp, o0);
+      _mm256_store_ps(tmp + 8, o1);
+      std::memcpy(yr, tmp, nc * sizeof(float));
+    }
+  }
+}
+
+__attribute__((target("avx2,fma"))) void W8A8Avx2(const Geometry& g, int64_t K4, const int8_t* q,
+                                                 const float* sx, const int8_t* w,
+                                                 const float* scale, const float* bias, float* y,
+                                                 int64_t p0, int64_t p1) {
+  for (int64_t p = p0; p < p1; ++p) {
+    const int8_t* wp = w + p * K4 * 4 * kPanel;
+    const int64_t n0 = p * kPanel;
+    float s16[kPanel], b16[kPanel];
+    PanelEpilogueParams(scale, bias, n0, g.N, s16, b16);
+    for (int64_t m0 = 0; m0 < g.M; m0 += 4) {
+      const int8_t* qt = q + m0 * K4 * 4;
+      float* yt = y + m0 * g.N;
+      switch (std::min<int64_t>(4, g.M - m0)) {
+        case 4: W8A8Avx2Tile<4>(g, K4, qt, sx + m0, wp, s16, b16, yt, n0); break;
+        case 3: W8A8Avx2Tile<3>(g, K4, qt, sx + m0, wp, s16, b16, yt, n0); break;
+        case 2: W8A8Avx2Tile<2>(g, K4, qt, sx + m0, wp, s16, b16, yt, n0); break;
+        default: W8A8Avx2Tile<1>(g, K4, qt, sx + m0, wp, s16, b16, yt, n0); break;
+      }
+    }
+  }
+}
+
+// W8A8, AVX-512 VNNI: vpdpbusd takes unsigned activations, so rows are
+// offset by +128 (qu = q ^ 0x80) and 128 * colsum(W) is subtracted at the end.
+template <int R, int U>
+__attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma"))) void W8A8VnniTile(
+    const Geometry& g, int64_t K4, const uint8_t* qu, const float* sx, const int8_t* wp,
+    const float* scale, const float* bias, const int32_t* colsum, float* y, int64_t n0) {
+  __m512i acc[U][R];
+  for (int u = 0; u < U; ++u)
+    for (int r = 0; r < R; ++r) acc[u][r] = _mm512_setzero_si512();
+  const int64_t ldq = K4 * 4;
+  int64_t gi = 0;
+  for (; gi + U <= K4; gi += U) {
+    for (int u = 0; u < U; ++u) {
+      const __m512i wv = _mm512_loadu_si512(wp + (gi + u) * 64);
+      for (int r = 0; r < R; ++r) {
+        int32_t xv;
+        std::memcpy(&xv, qu + r * ldq + (gi + u) * 4, 4);
+        acc[u][r] = _mm512_dpbusd_epi32(acc[u][r], _mm512_set1_epi32(xv), wv);
+      }
+    }
+  }
+  for (; gi < K4; ++gi) {
+    const __m512i wv = _mm512_loadu_si512(wp + gi * 64);
+    for (int r = 0; r < R; ++r) {
+      int32_t xv;
+      std::memcpy(&xv, qu + r * ldq + gi * 4, 4);
+      acc[0][r] = _mm512_dpbusd_epi32(acc[0][r], _mm512_set1_epi32(xv), wv);
+    }
+  }
+  const int64_t nc = ValidCols(n0, g.N);
+  const __mmask16 mask = static_cast<__mmask16>((1u << nc) - 1u);
+  const __m512 s = _mm512_maskz_loadu_ps(mask, scale + n0);
+  const __m512 b = _mm512_maskz_loadu_ps(mask, bias + n0);
+  const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(colsum + n0), 7);
+  for (int r = 0; r < R; ++r) {
+    __m512i a = acc[0][r];
+    for (int u = 1; u < U; ++u) a = _mm512_add_epi32(a, acc[u][r]);
+    a = _mm512_sub_epi32(a, offset);
+    const __m512 rs = _mm512_mul_ps(_mm512_set1_ps(sx[r]), s);
+    _mm512_mask_storeu_ps(y + r * g.N + n0, mask, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), rs, b));
+  }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma"))) void W8A8Vnni(
+    const Geometry& g, int64_t K4, const uint8_t* qu, const float* sx, const int8_t* w,
+    const float* scale, const float* bias, const int32_t* colsum, float* y, int64_t p0,
+    int64_t p1) {
+  for (int64_t p = p0; p < p1; ++p) {
+    const int8_t* wp = w + p * K4 * 4 * kPanel;
+    const int64_t n0 = p * kPanel;
+    for (int64_t m0 = 0; m0 < g.M; m0 += 8) {
+      const uint8_t* qt = qu + m0 * K4 * 4;
+      float* yt = y + m0 * g.N;
+      const float* st = sx + m0;
+      switch (std::min<int64_t>(8, g.M - m0)) {
+        case 8: W8A8VnniTile<8, 1>(g, K4, qt, st, wp, scale, bias, colsum, yt, n0); break;
+        case 7: W8A8VnniTile<7, 1>(g, K4, qt, st, wp, scale, bias, colsum, yt, n0); break;
+        case 6: W8A8VnniTile<6, 1>(g, K4, qt, st, wp, scale, bias, colsum, yt, n0); break;
+        case 5: W8A8VnniTile<5, 1>(g, K4, qt, st, wp, scale, bias, colsum, yt, n0); break;
+        case 4: W8A8VnniTile<4, 1>(g, K4, qt, st, wp, scale, bias, colsum, yt, n0); break;
+        case 3: W8A8VnniTile<3, 2>(g, K4, qt, st, wp, scale, bias, colsum, yt, n0); break;
+        case 2: W8A8VnniTile<2, 2>(g, K4, qt, st, wp, scale, bias, colsum, yt, n0); break;
+        default: W8A8VnniTile<1, 4>(g, K4, qt, st, wp, scale, bias, colsum, yt, n0); break;
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// FFI entry points.
+
+ffi::Error CheckCommon(const Geometry& g, int64_t path, int64_t n_attr, size_t scale_len,
+                       size_t bias_len) {
+  if (!PathSupported(path))
+    return ffi::Error::InvalidArgument("actorq int8_dense: path " + std::to_string(path) +
+                                       " is unknown or not supported by this CPU");
+  if (n_attr != g.N || static_cast<int64_t>(scale_len) != g.N ||
+      static_cast<int64_t>(bias_len) != g.N)
+    return ffi::Error::InvalidArgument("actorq int8_dense: scale/bias length != out_features");
+  return ffi::Error::Success();
+}
+
+int64_t Resolve(int64_t path) { return path == kAuto ? BestPath() : path; }
+
+ffi::Error W8A32Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scale,
+                     ffi::Buffer<ffi::F32> bias, ffi::Result<ffi::Buffer<ffi::F32>> y,
+                     int64_t n_attr, int64_t path) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || wd[2] != kPanel)
+    return ffi::Error::InvalidArgument("actorq int8_dense w8a32: expected x [M, K], w [P, K, 16]");
+  Geometry g{xd[0], xd[1], n_attr, wd[0]};
+  if (wd[1] != g.K || g.P * kPanel < g.N || (g.P - 1) * kPanel >= g.N)
+    return ffi::Error::InvalidArgument("actorq int8_dense w8a32: packed weight shape mismatch");
+  if (ffi::Error e = CheckCommon(g, path, n_attr, scale.element_count(), bias.element_count());
+      e.failure())
+    return e;
+  const float* xp = x.typed_data();
+  const int8_t* wp = w.typed_data();
+  const float* sp = scale.typed_data();
+  const float* bp = bias.typed_data();
+  float* yp = y->typed_data();
+  const int64_t p = Resolve(path);
+  ForPanels(g.P, g.M * g.K * g.N, [&](int64_t p0, int64_t p1) {
+    if (p == kAvx512)
+      W8A32Avx512(g, xp, wp, sp, bp, yp, p0, p1);
+    else if (p == kAvx2)
+      W8A32Avx2(g, xp, wp, sp, bp, yp, p0, p1);
+    else
+      W8A32Scalar(g, xp, wp, sp, bp, yp, p0, p1);
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error W8A8Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scale,
+                    ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::S32> colsum,
+                    ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t n_attr, int64_t path) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || wd[2] != 4 * kPanel)
+    return ffi::Error::InvalidArgument("actorq int8_dense w8a8: expected x [M, K], w [P, K4, 64]");
+  Geometry g{xd[0], xd[1], n_attr, wd[0]};
+  const int64_t K4 = wd[1];
+  if (K4 != (g.K + 3) / 4 || g.P * kPanel < g.N || (g.P - 1) * kPanel >= g.N ||
+      static_cast<int64_t>(colsum.element_count()) != g.P * kPanel)
+    return ffi::Error::InvalidArgument("actorq int8_dense w8a8: packed weight shape mismatch");
+  if (ffi::Error e = CheckCommon(g, path, n_attr, scale.element_count(), bias.element_count());
+      e.failure())
+    return e;
+  const int64_t p = Resolve(path);
+  // Per-thread scratch: concurrent executions each use their own calling thread.
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> sx;
+  q.resize(static_cast<size_t>(g.M * K4 * 4));
+  sx.resize(static_cast<size_t>(g.M));
+  QuantizeRows(x.typed_data(), g.M, g.K, K4, q.data(), sx.data());
+  if (p == kAvx512)
+    for (auto& v : q) v = static_cast<int8_t>(static_cast<uint8_t>(v) ^ 0x80u);
+  const int8_t* wp = w.typed_data();
+  const float* sp = scale.typed_data();
+  const float* bp = bias.typed_data();
+  const int32_t* cp = colsum.typed_data();
+  float* yp = y->typed_data();
+  const int8_t* qp = q.data();
+  const float* sxp = sx.data();
+  ForPanels(g.P, g.M * g.K * g.N, [&](int64_t p0, int64_t p1) {
+    if (p == kAvx512)
+      W8A8Vnni(g, K4, reinterpret_cast<const uint8_t*>(qp), sxp, wp, sp, bp, cp, yp, p0, p1);
+    else if (p == kAvx2)
+      W8A8Avx2(g, K4, qp, sxp, wp, sp, bp, yp, p0, p1);
+    else
+      W8A8Scalar(g, K4, qp, sxp, wp, sp, bp, yp, p0, p1);
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ActorqInt8DenseW8A32, W8A32Impl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("out_features")
+                                  .Attr<int64_t>("path"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ActorqInt8DenseW8A8, W8A8Impl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("out_features")
+                                  .Attr<int64_t>("path"));
+
+// Plain C helpers for ctypes.
+extern "C" {
+
+// Best path this CPU supports: 1 scalar, 2 avx2, 3 avx512.
+int64_t actorq_best_path() { return BestPath(); }
+
+int64_t actorq_path_supported(int64_t path) { return PathSupported(path) ? 1 : 0; }
+
+void actorq_set_num_threads(int64_t n) { g_num_threads.store(static_cast<int>(std::max<int64_t>(1, n))); }
+
+int64_t actorq_get_num_threads() { return g_num_threads.load(); }
+
+}  // extern "C"
