@@ -1,0 +1,227 @@
+"""N-step transition adder: an actor's timesteps and actions -> Transition items in Reverb."""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Deque, Dict, Optional, Tuple
+
+import numpy as np
+import reverb
+
+from actorq_jax.replay.server import parse_address
+
+_REQUIRED = ("step_type", "reward", "discount", "observation")
+
+
+class NStepAdder:
+    """Writes one n-step Transition item per environment step through a TrajectoryWriter.
+
+    Usage (dm_env timesteps)::
+
+        adder.add_first(timestep)
+        while not timestep.last():
+            action = policy(timestep.observation)
+            timestep = env.step(action)
+            adder.add(action, timestep)
+
+    The item for step t is written once o_{t+n} is known; when the episode ends
+    (a LAST timestep) the remaining m < n steps are written with m-step rewards and
+    discounts. A terminal step (env discount 0) cuts the bootstrap (discount 0); a
+    truncation (LAST with discount > 0) keeps it. Observations and actions are
+    written once per step and items reference them; only the n-step reward and
+    discount are written per item.
+
+    `reset()` abandons an unfinished episode: items already created are still sent,
+    the last (< n) steps whose n-step return is unknown are dropped.
+
+    The writer blocks in `add` when the table's rate limiter refuses inserts (the
+    learner is behind) beyond `max_in_flight_items`.
+    """
+
+    def __init__(self, client: reverb.Client, table: str, n_step: int, discount: float,
+                 priority: float = 1.0, max_in_flight_items: int = 4,
+                 connect_timeout_s: float = 30.0):
+        if isinstance(n_step, bool) or not isinstance(n_step, int) or n_step < 1:
+            raise ValueError(f"n_step must be an int >= 1, got n_step={n_step!r}")
+        if not 0.0 <= discount <= 1.0:
+            raise ValueError(f"discount must be in [0, 1], got discount={discount!r}")
+        if not priority >= 0:
+            raise ValueError(f"priority must be >= 0, got priority={priority!r}")
+        if max_in_flight_items < 0:
+            raise ValueError(f"max_in_flight_items must be >= 0, got {max_in_flight_items!r}")
+        self._client = client
+        self._table = table
+        self._n = n_step
+        self._gamma = float(discount)
+        self._priority = float(priority)
+        self._max_in_flight = int(max_in_flight_items)
+        self._specs = _table_specs(client, table, connect_timeout_s)
+        # The farthest an item reaches back: o_t is n steps before o_{t+n}, plus up to
+        # n-1 extra per-item steps appended at the end of an episode.
+        self._writer = client.trajectory_writer(num_keep_alive_refs=2 * n_step + 2)
+        self.items_written = 0
+        self.steps_added = 0
+        self.episodes = 0
+        self._start_episode_state()
+
+    # -- public API -----------------------------------------------------------------
+
+    def add_first(self, timestep: Any) -> None:
+        """Starts an episode at a FIRST timestep (writes o_0)."""
+        _check_timestep(timestep)
+        if self._in_episode:
+            raise ValueError(
+                "add_first called in the middle of an episode; call reset() to abandon it first")
+        if not timestep.first():
+            raise ValueError(f"add_first needs a FIRST timestep, got step_type={timestep.step_type!r}")
+        self._append_observation(timestep.observation)
+        self._in_episode = True
+
+    def add(self, action: Any, next_timestep: Any, priority: Optional[float] = None) -> None:
+        """Records a_t and the timestep it led to; writes the items that became complete."""
+        _check_timestep(next_timestep)
+        if not self._in_episode:
+            raise ValueError("add called before add_first (or after the episode ended)")
+        if next_timestep.first():
+            raise ValueError("add got a FIRST timestep; start a new episode with add_first")
+        priority = self._priority if priority is None else float(priority)
+        if not priority >= 0:
+            raise ValueError(f"priority must be >= 0, got priority={priority!r}")
+        reward = float(np.asarray(next_timestep.reward if next_timestep.reward is not None else 0.0))
+        env_discount = float(np.asarray(
+            next_timestep.discount if next_timestep.discount is not None else 1.0))
+        # Close o_t's step with a_t, then open the step of o_{t+1}.
+        self._writer.append({"action": self._cast("action", action)})
+        self._step_open = False
+        self._append_observation(next_timestep.observation)
+        self._rewards.append(reward)
+        self._discounts.append(env_discount)
+        self.steps_added += 1
+        t_next = len(self._obs_steps) - 1  # index of o_{t+1} in this episode
+        first = t_next - self._n
+        if first >= 0:
+            self._write_item(first, t_next, priority, on_open_step=True)
+        if next_timestep.last():
+            # The last min(n, T) - 1 (or, for T < n, all T) steps have no o_{t+n}.
+            start = max(first + 1, 0)
+            for i, t in enumerate(range(start, t_next)):
+                self._write_item(t, t_next, priority, on_open_step=(i == 0 and first < 0))
+            self._end_episode()
+            self.episodes += 1
+            self._start_episode_state()
+        else:
+            self._writer.flush(block_until_num_items=self._max_in_flight)
+
+    def reset(self) -> None:
+        """Abandons the current episode (see class doc) and flushes created items."""
+        self._end_episode()
+        self._start_episode_state()
+
+    def close(self) -> None:
+        """Flushes created items and closes the writer."""
+        if self._writer is not None:
+            self._end_episode()
+            self._writer.close()
+            self._writer = None
+
+    def __enter__(self) -> "NStepAdder":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    # -- internals ------------------------------------------------------------------
+
+    def _start_episode_state(self) -> None:
+        self._in_episode = False
+        self._steps = 0  # writer steps this episode (an open step counts)
+        self._obs_steps = []  # writer step index of o_0, o_1, ...
+        # r_{k+1}, d_{k+1} of the last n env transitions, and the episode step of the first.
+        self._rewards: Deque[float] = collections.deque(maxlen=self._n)
+        self._discounts: Deque[float] = collections.deque(maxlen=self._n)
+        self._step_open = False
+
+    def _close_step(self) -> None:
+        # The writer keeps a step open across end_episode, so close it explicitly.
+        if self._step_open:
+            self._writer.append({})
+            self._step_open = False
+
+    def _end_episode(self) -> None:
+        self._close_step()
+        self._writer.end_episode(clear_buffers=True)
+
+    def _append_observation(self, observation: Any) -> None:
+        self._writer.append({"observation": self._cast("observation", observation)}, partial_step=True)
+        self._obs_steps.append(self._steps)
+        self._steps += 1
+        self._step_open = True
+
+    def _returns(self, t: int, t_next: int) -> Tuple[float, float]:
+        # rewards/discounts deques hold transitions t_next-len .. t_next-1.
+        offset = t_next - len(self._rewards)
+        total, scale = 0.0, 1.0
+        for k in range(t - offset, t_next - offset):
+            total += scale * self._rewards[k]
+            scale *= self._gamma * self._discounts[k]
+        return total, scale
+
+    def _write_item(self, t: int, t_next: int, priority: float, on_open_step: bool) -> None:
+        reward, discount = self._returns(t, t_next)
+        values = {"reward": np.float32(reward), "discount": np.float32(discount)}
+        if on_open_step:
+            # Ride along o_{t_next}'s step, which stays open for its action.
+            self._writer.append(values, partial_step=True)
+        else:
+            # One extra step per end-of-episode item, after closing o_T's step.
+            self._close_step()
+            self._writer.append(values)
+            self._steps += 1
+        history = self._writer.history
+        obs_col, act_col = history["observation"], history["action"]
+        self._writer.create_item(
+            table=self._table,
+            priority=priority,
+            trajectory={
+                "observation": obs_col[self._obs_steps[t]],
+                "action": act_col[self._obs_steps[t]],
+                "reward": history["reward"][-1],
+                "discount": history["discount"][-1],
+                "next_observation": obs_col[self._obs_steps[t_next]],
+            })
+        self.items_written += 1
+
+    def _cast(self, field: str, value: Any) -> np.ndarray:
+        dtype, shape = self._specs[field]
+        array = np.asarray(value, dtype=dtype)
+        if array.shape != shape:
+            raise ValueError(
+                f"{field} has shape {array.shape} but table {self._table!r} expects {shape}")
+        return array
+
+
+def _check_timestep(timestep: Any) -> None:
+    missing = [name for name in _REQUIRED if not hasattr(timestep, name)]
+    if missing:
+        raise ValueError(f"expected a dm_env.TimeStep, got {type(timestep).__name__} missing {missing}")
+
+
+def _table_specs(client: reverb.Client, table: str,
+                 timeout_s: float) -> Dict[str, Tuple[np.dtype, Tuple[int, ...]]]:
+    """(dtype, shape) of the observation and action columns from the table's signature."""
+    parse_address(client.server_address)
+    try:
+        infos = client.server_info(timeout=max(1, int(np.ceil(timeout_s))))
+    except reverb.DeadlineExceededError as error:
+        raise TimeoutError(
+            f"no Reverb server answered at {client.server_address} within {timeout_s:g} s") from error
+    if table not in infos:
+        raise ValueError(
+            f"table {table!r} not found on {client.server_address}; tables: {sorted(infos)}")
+    signature = infos[table].signature
+    if not signature or "observation" not in signature or "action" not in signature:
+        raise ValueError(
+            f"table {table!r} on {client.server_address} has no Transition signature "
+            f"(build it with make_replay_table)")
+    return {name: (signature[name].dtype.as_numpy_dtype, tuple(signature[name].shape))
+            for name in ("observation", "action")}

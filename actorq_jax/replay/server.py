@@ -1,0 +1,95 @@
+"""The Reverb server of a learner, and a bounded way for clients to reach one."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Optional, Sequence, Tuple
+
+import reverb
+
+# One server_info probe waits at most this long (Reverb's deadline is whole seconds).
+_PROBE_S = 1
+
+
+def parse_address(address: str) -> Tuple[str, int]:
+    """Splits "host:port" (or "[v6]:port") into (host, port); ValueError naming it if malformed."""
+    if not isinstance(address, str):
+        raise ValueError(f"server address must be a 'host:port' string, got {address!r}")
+    host, sep, port_text = address.strip().rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ValueError(
+            f"server address must look like 'host:port' with a port in 1..65535, got {address!r}")
+    return host, int(port_text)
+
+
+def wait_for_server(address: str, timeout_s: float = 30.0) -> reverb.Client:
+    """A client of the Reverb server at address, once it answers; TimeoutError if none within timeout_s."""
+    parse_address(address)
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got timeout_s={timeout_s!r}")
+    client = reverb.Client(address)
+    deadline = time.monotonic() + timeout_s
+    last_error: Optional[BaseException] = None
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        try:
+            # Reverb's client would otherwise wait forever on a dead address.
+            client.server_info(timeout=max(1, min(_PROBE_S, math.ceil(remaining))))
+            return client
+        except (reverb.DeadlineExceededError, RuntimeError) as error:
+            last_error = error
+            # A refused connection fails fast; do not spin on it.
+            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+    raise TimeoutError(
+        f"no Reverb server answered at {address} within {timeout_s:g} s "
+        f"(is the learner running, and is the host:port right?); last error: {last_error}")
+
+
+class ReplayServer:
+    """A Reverb server hosting the given tables; `.address` is what clients connect to.
+
+    The server listens on every interface; `advertised_host` is only the host part
+    of `.address` (pass this machine's name so actors elsewhere can join).
+    """
+
+    def __init__(self, tables: Sequence[reverb.Table], port: Optional[int] = None,
+                 advertised_host: str = "localhost"):
+        if not tables:
+            raise ValueError("ReplayServer needs at least one table, got none")
+        if port is not None and not (isinstance(port, int) and 0 < port < 65536):
+            raise ValueError(f"port must be an int in 1..65535 or None, got port={port!r}")
+        self._server: Optional[reverb.Server] = reverb.Server(tables=list(tables), port=port)
+        self._port = self._server.port
+        self._host = advertised_host
+        self.table_names = tuple(table.name for table in tables)
+
+    @property
+    def port(self) -> int:
+        """The port the server listens on."""
+        return self._port
+
+    @property
+    def address(self) -> str:
+        """"host:port" for clients."""
+        return f"{self._host}:{self._port}"
+
+    def client(self) -> reverb.Client:
+        """A client of this server."""
+        return reverb.Client(self.address)
+
+    def stop(self) -> None:
+        """Stops the server (idempotent)."""
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+
+    def __enter__(self) -> "ReplayServer":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()

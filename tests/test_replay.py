@@ -1,0 +1,450 @@
+"""Reverb data plane: n-step adder, rate limiting, priorities, variables across processes, failures.
+
+Every test runs a real Reverb server on a free localhost port.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+
+import dm_env
+import numpy as np
+import portpicker
+import pytest
+import reverb
+
+from actorq_jax.quantization import QuantConfig, quantize, to_wire
+from actorq_jax.replay import (NStepAdder, ReplayDataset, ReplayServer, ReplayTableConfig,
+                               Transition, VariableClient, VariablePublisher, make_replay_table,
+                               make_variables_table, parse_address, transition_signature,
+                               update_priorities, wait_for_server)
+
+OBS_DIM, ACT_DIM = 3, 2
+OBS = np.zeros(OBS_DIM, np.float32)
+ACT = np.zeros(ACT_DIM, np.float32)
+GAMMA = 0.9
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def random_episode(rng: np.random.Generator, length: int, terminal: bool, discrete: bool = False):
+    """(observations o_0..o_T, actions a_0..a_{T-1}, rewards r_1..r_T, env discounts d_1..d_T)."""
+    obs = rng.normal(size=(length + 1, OBS_DIM)).astype(np.float32)
+    if discrete:
+        actions = rng.integers(0, 4, size=length).astype(np.int32)
+    else:
+        actions = rng.normal(size=(length, ACT_DIM)).astype(np.float32)
+    rewards = rng.normal(size=length).astype(np.float32)
+    discounts = np.ones(length, np.float32)
+    if terminal:
+        discounts[-1] = 0.0
+    return obs, actions, rewards, discounts
+
+
+def feed(adder: NStepAdder, episode) -> None:
+    """Plays one episode into the adder as dm_env timesteps."""
+    obs, actions, rewards, discounts = episode
+    length = len(actions)
+    adder.add_first(dm_env.restart(obs[0]))
+    for t in range(length):
+        if t == length - 1:
+            step_type = dm_env.StepType.LAST
+        else:
+            step_type = dm_env.StepType.MID
+        adder.add(actions[t], dm_env.TimeStep(step_type, rewards[t], discounts[t], obs[t + 1]))
+
+
+def brute_force(episode, n: int, gamma: float):
+    """Expected transitions of an episode, straight from the convention in Transition's doc."""
+    obs, actions, rewards, discounts = episode
+    length = len(actions)
+    out = []
+    for t in range(length):
+        m = min(n, length - t)
+        reward = sum(gamma ** k * float(rewards[t + k]) for k in range(m))
+        discount = gamma ** m * float(np.prod(discounts[t:t + m], dtype=np.float64))
+        out.append(Transition(obs[t], actions[t], np.float32(reward), np.float32(discount), obs[t + m]))
+    return out
+
+
+def read_all(address: str, table: str, count: int) -> Transition:
+    """All `count` items of a FIFO queue table, in insertion order."""
+    dataset = ReplayDataset(address, table, batch_size=count, prefetch=0, num_workers=1,
+                            rate_limiter_timeout_ms=5000)
+    return next(dataset)
+
+
+def assert_transitions(batch: Transition, expected) -> None:
+    want = Transition(*[np.stack([np.asarray(getattr(e, f)) for e in expected]) for f in Transition._fields])
+    np.testing.assert_array_equal(batch.observation, want.observation)
+    np.testing.assert_array_equal(batch.action, want.action)
+    np.testing.assert_array_equal(batch.next_observation, want.next_observation)
+    np.testing.assert_allclose(batch.reward, want.reward, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(batch.discount, want.discount, rtol=1e-6, atol=1e-7)
+
+
+def queue_server(action_example=ACT, size=10_000) -> ReplayServer:
+    """A server with a FIFO queue table 'q' of Transitions, to read items back in order."""
+    return ReplayServer([reverb.Table.queue("q", size, signature=transition_signature(OBS, action_example))])
+
+
+def table_size(client: reverb.Client, table: str) -> int:
+    return client.server_info(timeout=5)[table].current_size
+
+
+# ----------------------------------------------------------------------------- adder
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n", [1, 3, 5])
+def test_adder_matches_brute_force_n_step(n):
+    rng = np.random.default_rng(n)
+    # Lengths shorter than, equal to and longer than n; terminal and truncated endings.
+    shapes = [(1, True), (2, False), (n, True), (n + 1, False), (7, True), (7, False),
+              (max(n - 1, 1), False), (12, True)]
+    episodes = [random_episode(rng, length, terminal) for length, terminal in shapes]
+    expected = [tr for episode in episodes for tr in brute_force(episode, n, GAMMA)]
+    with queue_server() as server:
+        client = wait_for_server(server.address, 10)
+        with NStepAdder(client, "q", n_step=n, discount=GAMMA) as adder:
+            for episode in episodes:
+                feed(adder, episode)
+            assert adder.items_written == len(expected) == sum(length for length, _ in shapes)
+            assert adder.episodes == len(episodes)
+        assert table_size(client, "q") == len(expected)
+        assert_transitions(read_all(server.address, "q", len(expected)), expected)
+
+
+@pytest.mark.timeout(60)
+def test_adder_terminal_cuts_bootstrap_truncation_keeps_it():
+    rng = np.random.default_rng(7)
+    terminal = random_episode(rng, 2, terminal=True)
+    truncated = random_episode(rng, 2, terminal=False)
+    with queue_server() as server:
+        client = wait_for_server(server.address, 10)
+        with NStepAdder(client, "q", n_step=3, discount=0.5) as adder:
+            feed(adder, terminal)
+            feed(adder, truncated)
+        batch = read_all(server.address, "q", 4)
+    # Terminal episode: both steps end in the terminal state -> no bootstrap.
+    np.testing.assert_array_equal(batch.discount[:2], [0.0, 0.0])
+    # Truncated episode: bootstrap from the last observation with gamma^m.
+    np.testing.assert_allclose(batch.discount[2:], [0.25, 0.5])
+    np.testing.assert_allclose(batch.reward[0], terminal[2][0] + 0.5 * terminal[2][1], rtol=1e-6)
+    np.testing.assert_array_equal(batch.next_observation[3], truncated[0][2])
+
+
+@pytest.mark.timeout(60)
+def test_adder_discrete_actions_and_reset_drops_unfinished_steps():
+    rng = np.random.default_rng(3)
+    broken = random_episode(rng, 6, terminal=False, discrete=True)
+    whole = random_episode(rng, 4, terminal=True, discrete=True)
+    n = 3
+    with queue_server(action_example=np.int32(0)) as server:
+        client = wait_for_server(server.address, 10)
+        with NStepAdder(client, "q", n_step=n, discount=GAMMA) as adder:
+            obs, actions, rewards, discounts = broken
+            adder.add_first(dm_env.restart(obs[0]))
+            for t in range(5):  # 5 of 6 steps, then the actor abandons the episode
+                adder.add(int(actions[t]), dm_env.transition(rewards[t], obs[t + 1], discounts[t]))
+            with pytest.raises(ValueError, match="reset"):
+                adder.add_first(dm_env.restart(obs[0]))
+            adder.reset()
+            feed(adder, whole)
+        # Steps 0..2 of the broken episode had their full n-step return; 3 and 4 did not.
+        full = brute_force(broken, n, GAMMA)[:3]
+        expected = full + brute_force(whole, n, GAMMA)
+        batch = read_all(server.address, "q", len(expected))
+    assert batch.action.dtype == np.int32 and batch.action.shape == (len(expected),)
+    assert_transitions(batch, expected)
+
+
+@pytest.mark.timeout(60)
+def test_adder_rejects_bad_input_clearly():
+    with queue_server() as server:
+        client = wait_for_server(server.address, 10)
+        with pytest.raises(ValueError, match="n_step"):
+            NStepAdder(client, "q", n_step=0, discount=GAMMA)
+        with pytest.raises(ValueError, match="'nope' not found"):
+            NStepAdder(client, "nope", n_step=1, discount=GAMMA)
+        adder = NStepAdder(client, "q", n_step=1, discount=GAMMA)
+        with pytest.raises(ValueError, match="before add_first"):
+            adder.add(ACT, dm_env.transition(0.0, OBS))
+        with pytest.raises(ValueError, match=r"observation has shape \(4,\)"):
+            adder.add_first(dm_env.restart(np.zeros(4, np.float32)))
+        adder.close()
+
+
+# ----------------------------------------------------------------------------- tables and dataset
+
+@pytest.mark.timeout(60)
+def test_replay_table_signature_and_uniform_dataset():
+    config = ReplayTableConfig(max_size=1000, min_size=5, samples_per_insert=None)
+    rng = np.random.default_rng(11)
+    episode = random_episode(rng, 20, terminal=True)
+    expected = brute_force(episode, 2, GAMMA)
+    by_obs = {e.observation.tobytes(): e for e in expected}
+    with ReplayServer([make_replay_table(config, OBS, ACT)]) as server:
+        client = wait_for_server(server.address, 10)
+        with NStepAdder(client, "replay", n_step=2, discount=GAMMA) as adder:
+            feed(adder, episode)
+        dataset = ReplayDataset(server.address, "replay", batch_size=16, with_info=True)
+        batch = next(dataset)
+    assert batch.data.observation.shape == (16, OBS_DIM) and batch.data.reward.shape == (16,)
+    assert batch.keys.dtype == np.uint64 and batch.probabilities.shape == (16,)
+    np.testing.assert_allclose(batch.probabilities, 1.0 / len(expected))
+    for i in range(16):  # every sampled item is one of the episode's transitions
+        want = by_obs[batch.data.observation[i].tobytes()]
+        np.testing.assert_array_equal(batch.data.next_observation[i], want.next_observation)
+        np.testing.assert_allclose(batch.data.reward[i], want.reward, rtol=1e-5)
+
+
+def test_table_config_validates():
+    with pytest.raises(ValueError, match="min_size"):
+        ReplayTableConfig(max_size=10, min_size=20)
+    with pytest.raises(ValueError, match="error_tolerance"):
+        ReplayTableConfig(samples_per_insert=8.0, error_tolerance=2.0)
+    assert ReplayTableConfig(min_size=1000, samples_per_insert=8.0).effective_error_tolerance == 800.0
+    assert ReplayTableConfig(min_size=10, samples_per_insert=8.0).effective_error_tolerance == 8.0
+
+
+@pytest.mark.timeout(120)
+def test_samples_per_insert_ratio_is_kept():
+    spi, min_size, tolerance, inserts = 4.0, 20, 10.0, 300
+    config = ReplayTableConfig(max_size=10_000, min_size=min_size, samples_per_insert=spi,
+                               error_tolerance=tolerance)
+    rng = np.random.default_rng(5)
+    with ReplayServer([make_replay_table(config, OBS, ACT)]) as server:
+        client = wait_for_server(server.address, 10)
+
+        def actor():
+            with NStepAdder(client, "replay", n_step=1, discount=GAMMA, max_in_flight_items=1) as adder:
+                while adder.items_written < inserts:
+                    feed(adder, random_episode(rng, 10, terminal=True))
+
+        thread = threading.Thread(target=actor)
+        thread.start()
+        try:
+            # The learner samples as fast as it can; a dataset ends once the rate
+            # limiter has refused it for a while, so open a new one until the actor is done.
+            while True:
+                actor_done = not thread.is_alive()
+                for _ in ReplayDataset(server.address, "replay", batch_size=4, prefetch=0,
+                                       rate_limiter_timeout_ms=1000):
+                    pass
+                if actor_done:
+                    break
+        finally:
+            thread.join(timeout=60)
+        stats = client.server_info(timeout=5)["replay"].rate_limiter_info
+    assert stats.insert_stats.completed == inserts
+    samples = stats.sample_stats.completed
+    # Reverb lets the learner run at most (spi * min_size - tolerance) behind the ratio
+    # and `tolerance` ahead of it: samples = spi * inserts - spi * min_size + tolerance.
+    assert abs(samples - (spi * inserts - spi * min_size + tolerance)) <= spi
+    assert abs(samples / inserts - spi) <= (spi * min_size + tolerance) / inserts
+
+
+@pytest.mark.timeout(60)
+def test_priorities_written_back_change_sampling():
+    config = ReplayTableConfig(max_size=1000, min_size=1, samples_per_insert=None, prioritized=True,
+                               priority_exponent=1.0)
+    rng = np.random.default_rng(2)
+    with ReplayServer([make_replay_table(config, OBS, ACT)]) as server:
+        client = wait_for_server(server.address, 10)
+        with NStepAdder(client, "replay", n_step=1, discount=GAMMA) as adder:
+            feed(adder, random_episode(rng, 10, terminal=True))
+        dataset = ReplayDataset(server.address, "replay", batch_size=32, prefetch=0, with_info=True)
+        first = next(dataset)
+        np.testing.assert_allclose(first.probabilities, 0.1, rtol=1e-5)  # equal priorities
+        favourite = int(first.keys[0])
+        favourite_obs = first.data.observation[0]
+        keys = np.unique(first.keys)
+        update_priorities(client, "replay", keys, np.where(keys == favourite, 1000.0, 1e-3))
+        with pytest.raises(ValueError, match="finite"):
+            update_priorities(client, "replay", keys[:1], [np.nan])
+        fresh = ReplayDataset(server.address, "replay", batch_size=64, prefetch=0, with_info=True)
+        after = next(fresh)
+    hits = after.keys == favourite
+    assert hits.mean() > 0.9
+    np.testing.assert_array_equal(after.data.observation[hits][0], favourite_obs)
+    assert after.probabilities[hits][0] > 0.95
+
+
+# ----------------------------------------------------------------------------- variables
+
+def small_params(seed: int):
+    """A tiny policy tree whose kernels are large enough to be quantized."""
+    rng = np.random.default_rng(seed)
+    return {"layer_0": {"kernel": rng.normal(size=(8, 160)).astype(np.float32),
+                        "bias": rng.normal(size=160).astype(np.float32)},
+            "layer_1": {"kernel": rng.normal(size=(160, 16)).astype(np.float32),
+                        "bias": rng.normal(size=16).astype(np.float32)}}
+
+
+INT8 = QuantConfig(bits=8, min_size=256)
+
+
+def _publisher_main(address: str, advance, done) -> None:
+    """Child process: publish version 1, wait for the parent, publish version 2."""
+    client = wait_for_server(address, 30)
+    publisher = VariablePublisher(client, "variables", INT8)
+    publisher.publish(small_params(1), version=1)
+    if advance.wait(60):
+        publisher.publish(small_params(2), version=2)
+    done.wait(60)
+
+
+def wire_of(params_tree, version: int):
+    return to_wire(params_tree, version)
+
+
+@pytest.mark.timeout(150)
+def test_variables_cross_processes_bit_exact_and_advance():
+    ctx = mp.get_context("spawn")
+    advance, done = ctx.Event(), ctx.Event()
+    with ReplayServer([make_variables_table()]) as server:
+        process = ctx.Process(target=_publisher_main, args=(server.address, advance, done), daemon=True)
+        process.start()
+        client = VariableClient(server.address, update_period=5, like=small_params(0))
+        try:
+            client.wait_for_first(timeout_s=90)
+            assert client.version == 1
+            expected = wire_of(quantize(small_params(1), INT8), 1)
+            got = wire_of(client.params, client.version)
+            assert len(got) == len(expected)
+            for a, b in zip(got, expected):
+                assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+            advance.set()
+            deadline = time.monotonic() + 60
+            while client.version != 2 and time.monotonic() < deadline:
+                client.update()  # never blocks; refreshes every 5 calls
+                time.sleep(0.01)
+            assert client.version == 2
+            expected = wire_of(quantize(small_params(2), INT8), 2)
+            for a, b in zip(wire_of(client.params, 2), expected):
+                assert a.tobytes() == b.tobytes()
+            timing = client.timings[-1]
+            assert timing.version == 2 and timing.pull_s > 0 and timing.deserialize_s > 0
+            assert timing.nbytes == sum(a.nbytes for a in expected)
+        finally:
+            client.stop()
+            done.set()
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+                process.join()
+    assert process.exitcode == 0
+
+
+@pytest.mark.timeout(60)
+def test_variable_client_load_fn_and_surfaced_errors():
+    calls = []
+
+    def load(qparams):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("device full")
+        return qparams
+
+    with ReplayServer([make_variables_table()]) as server:
+        publisher = VariablePublisher(wait_for_server(server.address, 10), config=INT8)
+        stats = publisher.publish(small_params(1), version=10)
+        assert stats.nbytes > 0 and stats.insert_s > 0
+        with VariableClient(server.address, update_period=1, load_fn=load) as client:
+            client.wait_for_first(timeout_s=20)
+            assert client.version == 10 and len(calls) == 1
+            assert client.refresh(timeout_s=10)  # same version: no new load
+            assert len(calls) == 1 and client.skipped >= 1
+            publisher.publish(small_params(2), version=11)
+            with pytest.raises(RuntimeError, match="device full"):
+                client.refresh(timeout_s=10)
+            assert client.version == 10 and client.params is not None  # last good params kept
+            publisher.publish(small_params(3), version=12)
+            client.refresh(timeout_s=10)
+            assert client.version == 12 and client.errors == 1
+
+
+@pytest.mark.timeout(60)
+def test_wait_for_first_times_out_with_clear_message():
+    with ReplayServer([make_variables_table()]) as server:
+        with VariableClient(server.address) as client:
+            start = time.monotonic()
+            with pytest.raises(TimeoutError, match=f"no variables published on {server.address} "
+                                                   "table variables after 1.5 s"):
+                client.wait_for_first(timeout_s=1.5)
+            assert time.monotonic() - start < 5
+
+
+# ----------------------------------------------------------------------------- failures
+
+def _actor_main(address: str, seed: int) -> None:
+    """Child process: write episodes forever (until killed)."""
+    client = wait_for_server(address, 30)
+    rng = np.random.default_rng(seed)
+    adder = NStepAdder(client, "replay", n_step=3, discount=GAMMA)
+    while True:
+        feed(adder, random_episode(rng, 50, terminal=False))
+
+
+@pytest.mark.timeout(150)
+def test_killed_actor_leaves_server_usable():
+    config = ReplayTableConfig(max_size=100_000, min_size=1, samples_per_insert=None)
+    ctx = mp.get_context("spawn")
+    with ReplayServer([make_replay_table(config, OBS, ACT)]) as server:
+        client = wait_for_server(server.address, 10)
+        process = ctx.Process(target=_actor_main, args=(server.address, 1), daemon=True)
+        process.start()
+        try:
+            deadline = time.monotonic() + 90
+            while table_size(client, "replay") < 200 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert table_size(client, "replay") >= 200
+            os.kill(process.pid, signal.SIGKILL)  # mid-write: it never stops writing
+            process.join(timeout=30)
+            assert process.exitcode == -signal.SIGKILL
+        finally:
+            if process.is_alive():
+                process.kill()
+                process.join()
+        before = table_size(client, "replay")
+        rng = np.random.default_rng(9)
+        episode = random_episode(rng, 30, terminal=True)
+        with NStepAdder(client, "replay", n_step=3, discount=GAMMA) as adder:
+            feed(adder, episode)
+        assert table_size(client, "replay") == before + 30
+        batch = next(ReplayDataset(server.address, "replay", batch_size=64, prefetch=0))
+        assert batch.observation.shape == (64, OBS_DIM) and np.all(np.isfinite(batch.reward))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("bad", ["localhost", "localhost:", ":1234", "localhost:99999", "host:port"])
+def test_malformed_address_is_rejected(bad):
+    with pytest.raises(ValueError, match="host:port"):
+        parse_address(bad)
+    with pytest.raises(ValueError, match="host:port"):
+        wait_for_server(bad, 1)
+    with pytest.raises(ValueError, match="host:port"):
+        VariableClient(bad)
+
+
+@pytest.mark.timeout(60)
+def test_unreachable_address_fails_within_bounded_time():
+    dead = f"localhost:{portpicker.pick_unused_port()}"
+    for address in (dead, "nonexistent.invalid:4321"):
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match=address):
+            wait_for_server(address, timeout_s=1.5)
+        assert time.monotonic() - start < 5
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=dead):
+        ReplayDataset(dead, "replay", batch_size=4, connect_timeout_s=1)
+    with VariableClient(dead) as client:
+        with pytest.raises(TimeoutError, match=f"no variables published on {dead}"):
+            client.wait_for_first(timeout_s=1.5)
+    with pytest.raises(TimeoutError, match=dead):
+        NStepAdder(reverb.Client(dead), "replay", n_step=1, discount=GAMMA, connect_timeout_s=1)
+    assert time.monotonic() - start < 15
