@@ -9,8 +9,6 @@ import threading
 from pathlib import Path
 from typing import Optional
 
-from actorq_jax.kernels.build import HERE, SOURCE, library_filename
-
 logger = logging.getLogger(__name__)
 
 # Environment variables read by this package.
@@ -40,6 +38,9 @@ _lock = threading.Lock()
 
 def library_path() -> Path:
     """Where the library is loaded from ($ACTORQ_KERNEL_LIBRARY, else next to the sources)."""
+    # Imported here so that `python -m actorq_jax.kernels.build` does not find itself pre-imported.
+    from actorq_jax.kernels.build import HERE, library_filename
+
     override = os.environ.get(ENV_LIBRARY)
     return Path(override) if override else HERE / library_filename()
 
@@ -69,7 +70,9 @@ def _load() -> _State:
     except (OSError, AttributeError) as exc:
         state.reason = f"cannot load {path}: {exc}"
         return state
-    if SOURCE.exists() and path.parent == HERE and SOURCE.stat().st_mtime > path.stat().st_mtime:
+    from actorq_jax.kernels.build import SOURCE
+
+    if SOURCE.exists() and path.parent == SOURCE.parent and SOURCE.stat().st_mtime > path.stat().st_mtime:
         # Still usable (the FFI checks signatures at run time), but likely out of date.
         logger.warning("%s is older than %s; rebuild with python -m actorq_jax.kernels.build",
                        path.name, SOURCE.name)

@@ -29,13 +29,16 @@ PATHS = ("auto", "scalar", "avx2", "avx512", "reference")
 
 @struct.dataclass
 class Int8DenseWeight:
-    """Int8 dense-layer weights packed for the kernel (a pytree node; shapes and mode are static).
+    """Int8 dense-layer weights packed for the kernel (a pytree node; sizes and mode are static).
 
-    packed: int8; w8a32: ``[P, K, 16]`` (16-column panels, K contiguous);
-      w8a8: ``[P, ceil(K/4), 64]`` (per panel, groups of 4 consecutive k per column).
-      P = ceil(N / 16); padding is zero.
+    packed: int8 of shape ``[K, N]`` (exactly the bytes of the original kernel,
+      so flax's parameter shape check passes) holding the kernel's panel layout:
+      16-column panels one after another, panel p starting at byte 16 * p * K;
+      inside a panel of width w, w8a32 stores ``[K, w]`` and w8a8 stores
+      ``[K // 4, w, 4]`` followed by ``[K % 4, w]``.
     scale: float32 ``(N,)``, per output channel.
-    colsum: int32 ``(P * 16,)``, column sums of the int8 weights (the VNNI W8A8 path needs them).
+    colsum: int32 ``(16 * ceil(N / 16),)``, column sums of the int8 weights
+      (zero-padded; the AVX-512 VNNI W8A8 path needs them).
     """
 
     packed: Any
@@ -50,21 +53,51 @@ class Int8DenseWeight:
         """Number of 16-column panels."""
         return -(-self.out_features // PANEL)
 
-    def packed_shape(self) -> tuple:
-        """The shape ``packed`` must have for this mode and size."""
-        if self.mode == "w8a32":
-            return (self.panels, self.in_features, PANEL)
-        return (self.panels, -(-self.in_features // 4), 4 * PANEL)
-
     def unpack(self) -> jnp.ndarray:
-        """The int8 weights as ``[K, N]`` (traceable)."""
-        K, N, P = self.in_features, self.out_features, self.panels
-        packed = jnp.asarray(self.packed)
-        if self.mode == "w8a32":
-            return packed.transpose(1, 0, 2).reshape(K, P * PANEL)[:, :N]
-        K4 = packed.shape[1]
-        full = packed.reshape(P, K4, PANEL, 4).transpose(1, 3, 0, 2).reshape(K4 * 4, P * PANEL)
-        return full[:K, :N]
+        """The int8 weights as ``[K, N]`` in plain row-major order (traceable)."""
+        return _from_panels(jnp, jnp.asarray(self.packed).reshape(-1), self.in_features,
+                            self.out_features, self.mode)
+
+
+def _panel_blocks(K: int, N: int) -> list:
+    """(first column, width, count) of the full panels and of the narrow last panel."""
+    full, tail = divmod(N, PANEL)
+    blocks = [(0, PANEL, full)] if full else []
+    if tail:
+        blocks.append((full * PANEL, tail, 1))
+    return blocks
+
+
+def _from_panels(xp: Any, flat: Any, K: int, N: int, mode: str) -> Any:
+    """Panel layout (flat, K * N bytes) -> [K, N]; ``xp`` is numpy or jax.numpy."""
+    G, rem = divmod(K, 4)
+    cols = []
+    for n0, width, count in _panel_blocks(K, N):
+        block = flat[n0 * K:(n0 + width * count) * K].reshape(count, K * width)
+        if mode == "w8a32":
+            panel = block.reshape(count, K, width)
+        else:
+            grouped = block[:, :G * 4 * width].reshape(count, G, width, 4).transpose(0, 1, 3, 2)
+            rest = block[:, G * 4 * width:].reshape(count, rem, width)
+            panel = xp.concatenate([grouped.reshape(count, G * 4, width), rest], axis=1)
+        cols.append(panel.transpose(1, 0, 2).reshape(K, count * width))
+    return xp.concatenate(cols, axis=1) if len(cols) > 1 else cols[0]
+
+
+def _to_panels(values: np.ndarray, mode: str) -> np.ndarray:
+    """[K, N] -> the panel layout as a flat array of K * N bytes (inverse of _from_panels)."""
+    K, N = values.shape
+    G, rem = divmod(K, 4)
+    parts = []
+    for n0, width, count in _panel_blocks(K, N):
+        panel = values[:, n0:n0 + width * count].reshape(K, count, width).transpose(1, 0, 2)
+        if mode == "w8a32":
+            parts.append(panel.reshape(-1))
+        else:
+            grouped = panel[:, :G * 4].reshape(count, G, 4, width).transpose(0, 1, 3, 2)
+            rest = panel[:, G * 4:]
+            parts.append(np.concatenate([grouped.reshape(count, -1), rest.reshape(count, -1)], axis=1).reshape(-1))
+    return np.ascontiguousarray(np.concatenate(parts))
 
 
 def pack_dense(values: Any, scale: Any, mode: str = "w8a32") -> Int8DenseWeight:
@@ -83,21 +116,12 @@ def pack_dense(values: Any, scale: Any, mode: str = "w8a32") -> Int8DenseWeight:
     if scale.shape not in ((), (N,)):
         raise ValueError(f"scale must have shape () or ({N},), got {scale.shape}")
     scale = np.broadcast_to(scale.astype(np.float32), (N,)).copy()
-    P = -(-N // PANEL)
-    if mode == "w8a32":
-        full = np.zeros((K, P * PANEL), np.int8)
-        full[:, :N] = values
-        packed = full.reshape(K, P, PANEL).transpose(1, 0, 2)
-    else:
-        K4 = -(-K // 4)
-        full = np.zeros((K4 * 4, P * PANEL), np.int8)
-        full[:K, :N] = values
-        packed = full.reshape(K4, 4, P, PANEL).transpose(2, 0, 3, 1).reshape(P, K4, 4 * PANEL)
-    colsum = full.astype(np.int32).sum(axis=0)
+    colsum = np.zeros(-(-N // PANEL) * PANEL, np.int32)
+    colsum[:N] = values.astype(np.int32).sum(axis=0)
     return Int8DenseWeight(
-        packed=jnp.asarray(np.ascontiguousarray(packed)),
+        packed=jnp.asarray(_to_panels(values, mode).reshape(K, N)),
         scale=jnp.asarray(scale),
-        colsum=jnp.asarray(colsum, jnp.int32),
+        colsum=jnp.asarray(colsum),
         in_features=int(K),
         out_features=int(N),
         mode=mode,
@@ -164,10 +188,9 @@ def _check(x: Any, w: Any, bias: Any) -> tuple:
     if x.ndim < 1 or x.shape[-1] != K:
         raise ValueError(f"x must have shape [..., {K}] (in_features), got {tuple(x.shape)}")
     packed = w.packed
-    if jnp.result_type(packed) != jnp.int8 or tuple(np.shape(packed)) != w.packed_shape():
+    if jnp.result_type(packed) != jnp.int8 or tuple(np.shape(packed)) != (K, N):
         raise ValueError(
-            f"packed weights must be int8 of shape {w.packed_shape()} for mode {w.mode!r}, "
-            f"got {jnp.result_type(packed)} {tuple(np.shape(packed))}"
+            f"packed weights must be int8 of shape ({K}, {N}), got {jnp.result_type(packed)} {tuple(np.shape(packed))}"
         )
     if jnp.result_type(w.scale) != jnp.float32 or tuple(np.shape(w.scale)) != (N,):
         raise ValueError(f"scale must be float32 of shape ({N},), got {jnp.result_type(w.scale)} {np.shape(w.scale)}")

@@ -3,14 +3,12 @@
 //   y[m, n] = sum_k x[m, k] * Wq[k, n] * scale[n] + bias[n]
 //
 // Two variants:
-//   W8A32  float activations, int8 weights in 16-column panels [P, K, 16].
+//   W8A32  float activations.
 //   W8A8   activations quantized per row to int8 (+-127, round half to even),
-//          int32 accumulation, weights in panels [P, K4, 16 * 4] where each
-//          group of 4 consecutive k of one column is contiguous (the operand
-//          layout of maddubs / vpdpbusd).
-// P = ceil(N / 16); padding columns / rows are zero. Repacking is done once,
-// in Python, when the weights are loaded.
-//
+//          int32 accumulation.
+// Weights are int8, repacked once in Python at load time into 16-column
+// panels (layout described above W8A32Panel).
+
 // Instruction-set paths (chosen per call, never by compile flags, so the
 // library loads on any x86-64 CPU): portable scalar C++, AVX2+FMA, and
 // AVX-512 (F+BW, plus VNNI for W8A8). Every SIMD function carries its own
@@ -72,8 +70,8 @@ bool PathSupported(int64_t path) {
 
 // ---------------------------------------------------------------------------
 // Thread pool. Every job waits until each worker has finished with it, so a
-// worker can never run a stale job's function, and a worker that starts late
-// still sees the job through the generation counter (it cannot miss it).
+// worker can never run a stale job's function; workers notice a job by its
+// generation number, compared with the one they last saw (see Resize).
 class Pool {
  public:
   ~Pool() { Resize(0); }
@@ -89,7 +87,12 @@ class Pool {
     for (auto& t : threads_) t.join();
     threads_.clear();
     stop_ = false;
-    for (int i = 0; i < workers; ++i) threads_.emplace_back([this] { WorkerLoop(); });
+    // The generation is read here, not in the new thread: a thread that starts
+    // after the first Run() would otherwise take that job's generation as
+    // already seen and never join it, and Run() would wait for it forever.
+    const uint64_t start_generation = generation_;
+    for (int i = 0; i < workers; ++i)
+      threads_.emplace_back([this, start_generation] { WorkerLoop(start_generation); });
   }
 
   // Runs fn(0..ntasks-1) on the calling thread and the workers; returns when all are done.
@@ -118,12 +121,7 @@ class Pool {
     for (int64_t i = next_.fetch_add(1); i < ntasks; i = next_.fetch_add(1)) fn(i);
   }
 
-  void WorkerLoop() {
-    uint64_t seen;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      seen = generation_;
-    }
+  void WorkerLoop(uint64_t seen) {
     for (;;) {
       const std::function<void(int64_t)>* fn;
       int64_t ntasks;
@@ -201,12 +199,69 @@ inline void PanelEpilogueParams(const float* scale, const float* bias, int64_t n
 
 inline int64_t ValidCols(int64_t n0, int64_t N) { return std::min<int64_t>(kPanel, N - n0); }
 
+// Weights arrive as one int8 buffer of exactly K * N bytes (the [K, N] shape
+// flax expects of a kernel): panel p (columns 16p .. 16p + width - 1, width =
+// min(16, N - 16p)) starts at byte 16 * p * K. Inside a panel:
+//   W8A32: [K, width], k-major.
+//   W8A8:  [K / 4, width, 4] (4 consecutive k per column contiguous: the
+//          operand layout of maddubs / vpdpbusd), then [K % 4, width].
+// Full panels are used in place; only the narrow last panel, and the last
+// partial group of 4 k, are copied zero-padded to 16 columns per call.
+
+// Panel p of a W8A32 weight as [K, 16].
+const int8_t* W8A32Panel(const int8_t* w, const Geometry& g, int64_t p,
+                         std::vector<int8_t>& scratch) {
+  const int8_t* base = w + p * kPanel * g.K;
+  const int64_t width = ValidCols(p * kPanel, g.N);
+  if (width == kPanel) return base;
+  scratch.assign(static_cast<size_t>(g.K * kPanel), 0);
+  for (int64_t k = 0; k < g.K; ++k) std::memcpy(&scratch[k * kPanel], base + k * width, width);
+  return scratch.data();
+}
+
+// A W8A8 panel as up to two runs of [groups, 64] bytes (16 columns x 4 k).
+struct Segments {
+  const int8_t* ptr[2];
+  int64_t groups[2];
+  int count;
+};
+
+// Panel p of a W8A8 weight; `tail` (64 bytes) receives the padded last group when K % 4 != 0.
+Segments W8A8Panel(const int8_t* w, const Geometry& g, int64_t p, std::vector<int8_t>& scratch,
+                   int8_t* tail) {
+  const int8_t* base = w + p * kPanel * g.K;
+  const int64_t width = ValidCols(p * kPanel, g.N);
+  const int64_t G = g.K / 4, rem = g.K % 4;
+  Segments s{{base, nullptr}, {G, 0}, 1};
+  if (width == kPanel) {
+    if (rem) {
+      std::memset(tail, 0, 4 * kPanel);
+      for (int64_t j = 0; j < rem; ++j)
+        for (int64_t c = 0; c < kPanel; ++c) tail[c * 4 + j] = base[G * 4 * kPanel + j * kPanel + c];
+      s.ptr[1] = tail;
+      s.groups[1] = 1;
+      s.count = 2;
+    }
+    return s;
+  }
+  const int64_t K4 = G + (rem ? 1 : 0);
+  scratch.assign(static_cast<size_t>(K4 * 4 * kPanel), 0);
+  for (int64_t gi = 0; gi < G; ++gi)
+    std::memcpy(&scratch[gi * 4 * kPanel], base + gi * 4 * width, 4 * width);
+  for (int64_t j = 0; j < rem; ++j)
+    for (int64_t c = 0; c < width; ++c) scratch[G * 4 * kPanel + c * 4 + j] = base[G * 4 * width + j * width + c];
+  s.ptr[0] = scratch.data();
+  s.groups[0] = K4;
+  return s;
+}
+
 // ---------------------------------------------------------------------------
 // W8A32, scalar.
 void W8A32Scalar(const Geometry& g, const float* x, const int8_t* w, const float* scale,
                  const float* bias, float* y, int64_t p0, int64_t p1) {
+  thread_local std::vector<int8_t> scratch;
   for (int64_t p = p0; p < p1; ++p) {
-    const int8_t* wp = w + p * g.K * kPanel;
+    const int8_t* wp = W8A32Panel(w, g, p, scratch);
     const int64_t n0 = p * kPanel, nc = ValidCols(n0, g.N);
     for (int64_t m = 0; m < g.M; ++m) {
       const float* xr = x + m * g.K;
@@ -284,8 +339,9 @@ __attribute__((target("avx2,fma"))) void W8A32Avx2(const Geometry& g, const floa
                                                   const int8_t* w, const float* scale,
                                                   const float* bias, float* y, int64_t p0,
                                                   int64_t p1) {
+  thread_local std::vector<int8_t> scratch;
   for (int64_t p = p0; p < p1; ++p) {
-    const int8_t* wp = w + p * g.K * kPanel;
+    const int8_t* wp = W8A32Panel(w, g, p, scratch);
     const int64_t n0 = p * kPanel;
     float s16[kPanel], b16[kPanel];
     PanelEpilogueParams(scale, bias, n0, g.N, s16, b16);
@@ -342,8 +398,9 @@ __attribute__((target("avx512f,avx512bw,avx2,fma"))) void W8A32Avx512Tile(
 __attribute__((target("avx512f,avx512bw,avx2,fma"))) void W8A32Avx512(
     const Geometry& g, const float* x, const int8_t* w, const float* scale, const float* bias,
     float* y, int64_t p0, int64_t p1) {
+  thread_local std::vector<int8_t> scratch;
   for (int64_t p = p0; p < p1; ++p) {
-    const int8_t* wp = w + p * g.K * kPanel;
+    const int8_t* wp = W8A32Panel(w, g, p, scratch);
     const int64_t n0 = p * kPanel;
     for (int64_t m0 = 0; m0 < g.M; m0 += 8) {
       const float* xt = x + m0 * g.K;
@@ -391,21 +448,25 @@ void QuantizeRows(const float* x, int64_t M, int64_t K, int64_t K4, int8_t* q, f
 // W8A8, scalar: exact int32 accumulation.
 void W8A8Scalar(const Geometry& g, int64_t K4, const int8_t* q, const float* sx, const int8_t* w,
                 const float* scale, const float* bias, float* y, int64_t p0, int64_t p1) {
+  thread_local std::vector<int8_t> scratch;
   for (int64_t p = p0; p < p1; ++p) {
-    const int8_t* wp = w + p * K4 * 4 * kPanel;
+    alignas(64) int8_t tail[4 * kPanel];
+    const Segments s = W8A8Panel(w, g, p, scratch, tail);
     const int64_t n0 = p * kPanel, nc = ValidCols(n0, g.N);
     for (int64_t m = 0; m < g.M; ++m) {
       const int8_t* qr = q + m * K4 * 4;
       int32_t acc[kPanel] = {0};
-      for (int64_t gi = 0; gi < K4; ++gi) {
-        const int8_t* wg = wp + gi * 4 * kPanel;
-        const int8_t* xg = qr + gi * 4;
-        for (int64_t c = 0; c < kPanel; ++c)
-          for (int j = 0; j < 4; ++j) acc[c] += int32_t{xg[j]} * int32_t{wg[c * 4 + j]};
+      for (int si = 0, gi0 = 0; si < s.count; gi0 += s.groups[si], ++si) {
+        for (int64_t gi = 0; gi < s.groups[si]; ++gi) {
+          const int8_t* wg = s.ptr[si] + gi * 4 * kPanel;
+          const int8_t* xg = qr + (gi0 + gi) * 4;
+          for (int64_t c = 0; c < kPanel; ++c)
+            for (int j = 0; j < 4; ++j) acc[c] += int32_t{xg[j]} * int32_t{wg[c * 4 + j]};
+        }
       }
       for (int64_t c = 0; c < nc; ++c) {
-        const float s = sx[m] * scale[n0 + c];
-        y[m * g.N + n0 + c] = static_cast<float>(acc[c]) * s + bias[n0 + c];
+        const float rs = sx[m] * scale[n0 + c];
+        y[m * g.N + n0 + c] = static_cast<float>(acc[c]) * rs + bias[n0 + c];
       }
     }
   }
@@ -417,24 +478,30 @@ void W8A8Scalar(const Geometry& g, int64_t K4, const int8_t* q, const float* sx,
 template <int R>
 __attribute__((target("avx2,fma"))) void W8A8Avx2Tile(const Geometry& g, int64_t K4,
                                                      const int8_t* q, const float* sx,
-                                                     const int8_t* wp, const float* s16,
+                                                     const Segments& s, const float* s16,
                                                      const float* b16, float* y, int64_t n0) {
   __m256i acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
   const __m256i ones = _mm256_set1_epi16(1);
   const int64_t ldq = K4 * 4;
-  for (int64_t gi = 0; gi < K4; ++gi) {
-    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + gi * 64));
-    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + gi * 64 + 32));
-    const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
-    for (int r = 0; r < R; ++r) {
-      int32_t xv;
-      std::memcpy(&xv, q + r * ldq + gi * 4, 4);
-      const __m256i xb = _mm256_set1_epi32(xv);
-      const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(xb, w0)), ones);
-      const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(xb, w1)), ones);
-      acc[r][0] = _mm256_add_epi32(acc[r][0], p0);
-      acc[r][1] = _mm256_add_epi32(acc[r][1], p1);
+  for (int si = 0, gi0 = 0; si < s.count; gi0 += s.groups[si], ++si) {
+    const int8_t* wp = s.ptr[si];
+    const int8_t* qs = q + gi0 * 4;
+    for (int64_t gi = 0; gi < s.groups[si]; ++gi) {
+      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + gi * 64));
+      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + gi * 64 + 32));
+      const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
+      for (int r = 0; r < R; ++r) {
+        int32_t xv;
+        std::memcpy(&xv, qs + r * ldq + gi * 4, 4);
+        const __m256i xb = _mm256_set1_epi32(xv);
+        const __m256i p0 =
+            _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(xb, w0)), ones);
+        const __m256i p1 =
+            _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(xb, w1)), ones);
+        acc[r][0] = _mm256_add_epi32(acc[r][0], p0);
+        acc[r][1] = _mm256_add_epi32(acc[r][1], p1);
+      }
     }
   }
   const __m256 sc0 = _mm256_loadu_ps(s16), sc1 = _mm256_loadu_ps(s16 + 8);
@@ -461,8 +528,10 @@ __attribute__((target("avx2,fma"))) void W8A8Avx2(const Geometry& g, int64_t K4,
                                                  const float* sx, const int8_t* w,
                                                  const float* scale, const float* bias, float* y,
                                                  int64_t p0, int64_t p1) {
+  thread_local std::vector<int8_t> scratch;
   for (int64_t p = p0; p < p1; ++p) {
-    const int8_t* wp = w + p * K4 * 4 * kPanel;
+    alignas(64) int8_t tail[4 * kPanel];
+    const Segments s = W8A8Panel(w, g, p, scratch, tail);
     const int64_t n0 = p * kPanel;
     float s16[kPanel], b16[kPanel];
     PanelEpilogueParams(scale, bias, n0, g.N, s16, b16);
@@ -470,10 +539,10 @@ __attribute__((target("avx2,fma"))) void W8A8Avx2(const Geometry& g, int64_t K4,
       const int8_t* qt = q + m0 * K4 * 4;
       float* yt = y + m0 * g.N;
       switch (std::min<int64_t>(4, g.M - m0)) {
-        case 4: W8A8Avx2Tile<4>(g, K4, qt, sx + m0, wp, s16, b16, yt, n0); break;
-        case 3: W8A8Avx2Tile<3>(g, K4, qt, sx + m0, wp, s16, b16, yt, n0); break;
-        case 2: W8A8Avx2Tile<2>(g, K4, qt, sx + m0, wp, s16, b16, yt, n0); break;
-        default: W8A8Avx2Tile<1>(g, K4, qt, sx + m0, wp, s16, b16, yt, n0); break;
+        case 4: W8A8Avx2Tile<4>(g, K4, qt, sx + m0, s, s16, b16, yt, n0); break;
+        case 3: W8A8Avx2Tile<3>(g, K4, qt, sx + m0, s, s16, b16, yt, n0); break;
+        case 2: W8A8Avx2Tile<2>(g, K4, qt, sx + m0, s, s16, b16, yt, n0); break;
+        default: W8A8Avx2Tile<1>(g, K4, qt, sx + m0, s, s16, b16, yt, n0); break;
       }
     }
   }
@@ -483,41 +552,46 @@ __attribute__((target("avx2,fma"))) void W8A8Avx2(const Geometry& g, int64_t K4,
 // offset by +128 (qu = q ^ 0x80) and 128 * colsum(W) is subtracted at the end.
 template <int R, int U>
 __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma"))) void W8A8VnniTile(
-    const Geometry& g, int64_t K4, const uint8_t* qu, const float* sx, const int8_t* wp,
+    const Geometry& g, int64_t K4, const uint8_t* qu, const float* sx, const Segments& s,
     const float* scale, const float* bias, const int32_t* colsum, float* y, int64_t n0) {
   __m512i acc[U][R];
   for (int u = 0; u < U; ++u)
     for (int r = 0; r < R; ++r) acc[u][r] = _mm512_setzero_si512();
   const int64_t ldq = K4 * 4;
-  int64_t gi = 0;
-  for (; gi + U <= K4; gi += U) {
-    for (int u = 0; u < U; ++u) {
-      const __m512i wv = _mm512_loadu_si512(wp + (gi + u) * 64);
-      for (int r = 0; r < R; ++r) {
-        int32_t xv;
-        std::memcpy(&xv, qu + r * ldq + (gi + u) * 4, 4);
-        acc[u][r] = _mm512_dpbusd_epi32(acc[u][r], _mm512_set1_epi32(xv), wv);
+  for (int si = 0, gi0 = 0; si < s.count; gi0 += s.groups[si], ++si) {
+    const int8_t* wp = s.ptr[si];
+    const uint8_t* qs = qu + gi0 * 4;
+    const int64_t G = s.groups[si];
+    int64_t gi = 0;
+    for (; gi + U <= G; gi += U) {
+      for (int u = 0; u < U; ++u) {
+        const __m512i wv = _mm512_loadu_si512(wp + (gi + u) * 64);
+        for (int r = 0; r < R; ++r) {
+          int32_t xv;
+          std::memcpy(&xv, qs + r * ldq + (gi + u) * 4, 4);
+          acc[u][r] = _mm512_dpbusd_epi32(acc[u][r], _mm512_set1_epi32(xv), wv);
+        }
       }
     }
-  }
-  for (; gi < K4; ++gi) {
-    const __m512i wv = _mm512_loadu_si512(wp + gi * 64);
-    for (int r = 0; r < R; ++r) {
-      int32_t xv;
-      std::memcpy(&xv, qu + r * ldq + gi * 4, 4);
-      acc[0][r] = _mm512_dpbusd_epi32(acc[0][r], _mm512_set1_epi32(xv), wv);
+    for (; gi < G; ++gi) {
+      const __m512i wv = _mm512_loadu_si512(wp + gi * 64);
+      for (int r = 0; r < R; ++r) {
+        int32_t xv;
+        std::memcpy(&xv, qs + r * ldq + gi * 4, 4);
+        acc[0][r] = _mm512_dpbusd_epi32(acc[0][r], _mm512_set1_epi32(xv), wv);
+      }
     }
   }
   const int64_t nc = ValidCols(n0, g.N);
   const __mmask16 mask = static_cast<__mmask16>((1u << nc) - 1u);
-  const __m512 s = _mm512_maskz_loadu_ps(mask, scale + n0);
+  const __m512 sc = _mm512_maskz_loadu_ps(mask, scale + n0);
   const __m512 b = _mm512_maskz_loadu_ps(mask, bias + n0);
   const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(colsum + n0), 7);
   for (int r = 0; r < R; ++r) {
     __m512i a = acc[0][r];
     for (int u = 1; u < U; ++u) a = _mm512_add_epi32(a, acc[u][r]);
     a = _mm512_sub_epi32(a, offset);
-    const __m512 rs = _mm512_mul_ps(_mm512_set1_ps(sx[r]), s);
+    const __m512 rs = _mm512_mul_ps(_mm512_set1_ps(sx[r]), sc);
     _mm512_mask_storeu_ps(y + r * g.N + n0, mask, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), rs, b));
   }
 }
@@ -526,22 +600,24 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma"))) void W8A8Vnni(
     const Geometry& g, int64_t K4, const uint8_t* qu, const float* sx, const int8_t* w,
     const float* scale, const float* bias, const int32_t* colsum, float* y, int64_t p0,
     int64_t p1) {
+  thread_local std::vector<int8_t> scratch;
   for (int64_t p = p0; p < p1; ++p) {
-    const int8_t* wp = w + p * K4 * 4 * kPanel;
+    alignas(64) int8_t tail[4 * kPanel];
+    const Segments s = W8A8Panel(w, g, p, scratch, tail);
     const int64_t n0 = p * kPanel;
     for (int64_t m0 = 0; m0 < g.M; m0 += 8) {
       const uint8_t* qt = qu + m0 * K4 * 4;
       float* yt = y + m0 * g.N;
       const float* st = sx + m0;
       switch (std::min<int64_t>(8, g.M - m0)) {
-        case 8: W8A8VnniTile<8, 1>(g, K4, qt, st, wp, scale, bias, colsum, yt, n0); break;
-        case 7: W8A8VnniTile<7, 1>(g, K4, qt, st, wp, scale, bias, colsum, yt, n0); break;
-        case 6: W8A8VnniTile<6, 1>(g, K4, qt, st, wp, scale, bias, colsum, yt, n0); break;
-        case 5: W8A8VnniTile<5, 1>(g, K4, qt, st, wp, scale, bias, colsum, yt, n0); break;
-        case 4: W8A8VnniTile<4, 1>(g, K4, qt, st, wp, scale, bias, colsum, yt, n0); break;
-        case 3: W8A8VnniTile<3, 2>(g, K4, qt, st, wp, scale, bias, colsum, yt, n0); break;
-        case 2: W8A8VnniTile<2, 2>(g, K4, qt, st, wp, scale, bias, colsum, yt, n0); break;
-        default: W8A8VnniTile<1, 4>(g, K4, qt, st, wp, scale, bias, colsum, yt, n0); break;
+        case 8: W8A8VnniTile<8, 1>(g, K4, qt, st, s, scale, bias, colsum, yt, n0); break;
+        case 7: W8A8VnniTile<7, 1>(g, K4, qt, st, s, scale, bias, colsum, yt, n0); break;
+        case 6: W8A8VnniTile<6, 1>(g, K4, qt, st, s, scale, bias, colsum, yt, n0); break;
+        case 5: W8A8VnniTile<5, 1>(g, K4, qt, st, s, scale, bias, colsum, yt, n0); break;
+        case 4: W8A8VnniTile<4, 1>(g, K4, qt, st, s, scale, bias, colsum, yt, n0); break;
+        case 3: W8A8VnniTile<3, 2>(g, K4, qt, st, s, scale, bias, colsum, yt, n0); break;
+        case 2: W8A8VnniTile<2, 2>(g, K4, qt, st, s, scale, bias, colsum, yt, n0); break;
+        default: W8A8VnniTile<1, 4>(g, K4, qt, st, s, scale, bias, colsum, yt, n0); break;
       }
     }
   }
@@ -568,11 +644,9 @@ ffi::Error W8A32Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buffe
                      int64_t n_attr, int64_t path) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || wd[2] != kPanel)
-    return ffi::Error::InvalidArgument("actorq int8_dense w8a32: expected x [M, K], w [P, K, 16]");
-  Geometry g{xd[0], xd[1], n_attr, wd[0]};
-  if (wd[1] != g.K || g.P * kPanel < g.N || (g.P - 1) * kPanel >= g.N)
-    return ffi::Error::InvalidArgument("actorq int8_dense w8a32: packed weight shape mismatch");
+  if (xd.size() != 2 || wd.size() != 2 || wd[0] != xd[1] || wd[1] != n_attr || n_attr < 1)
+    return ffi::Error::InvalidArgument("actorq int8_dense w8a32: expected x [M, K], w [K, N]");
+  Geometry g{xd[0], xd[1], n_attr, (n_attr + kPanel - 1) / kPanel};
   if (ffi::Error e = CheckCommon(g, path, n_attr, scale.element_count(), bias.element_count());
       e.failure())
     return e;
@@ -598,13 +672,12 @@ ffi::Error W8A8Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buffer
                     ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t n_attr, int64_t path) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || wd[2] != 4 * kPanel)
-    return ffi::Error::InvalidArgument("actorq int8_dense w8a8: expected x [M, K], w [P, K4, 64]");
-  Geometry g{xd[0], xd[1], n_attr, wd[0]};
-  const int64_t K4 = wd[1];
-  if (K4 != (g.K + 3) / 4 || g.P * kPanel < g.N || (g.P - 1) * kPanel >= g.N ||
-      static_cast<int64_t>(colsum.element_count()) != g.P * kPanel)
-    return ffi::Error::InvalidArgument("actorq int8_dense w8a8: packed weight shape mismatch");
+  if (xd.size() != 2 || wd.size() != 2 || wd[0] != xd[1] || wd[1] != n_attr || n_attr < 1)
+    return ffi::Error::InvalidArgument("actorq int8_dense w8a8: expected x [M, K], w [K, N]");
+  Geometry g{xd[0], xd[1], n_attr, (n_attr + kPanel - 1) / kPanel};
+  const int64_t K4 = (g.K + 3) / 4;
+  if (static_cast<int64_t>(colsum.element_count()) != g.P * kPanel)
+    return ffi::Error::InvalidArgument("actorq int8_dense w8a8: colsum length != 16 * panels");
   if (ffi::Error e = CheckCommon(g, path, n_attr, scale.element_count(), bias.element_count());
       e.failure())
     return e;

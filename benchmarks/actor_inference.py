@@ -1,0 +1,179 @@
+"""Actor inference: float32 XLA forward vs the int8 kernels, per forward of an MLP policy.
+
+Policies 24 -> H x3 -> 6 (tanh between layers) for H = 256, 2048, 4096 at batch
+1, 8 and 64. Each thread setting runs in its own subprocess because XLA reads
+its thread flags once, when jax initialises; within a subprocess the float32,
+int8 W8A32 and int8 W8A8 forwards are timed in interleaved trials and the
+median microseconds per forward are compared (ratio = fp32 time / int8 time).
+
+    python benchmarks/actor_inference.py [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+HIDDEN = (256, 2048, 4096)
+BATCHES = (1, 8, 64)
+THREADS = (1, 2)
+OBS_DIM, ACTION_DIM = 24, 6
+VARIANTS = ("fp32", "w8a32", "w8a8")
+
+
+def _xla_flags(threads: int) -> str:
+    """XLA CPU flags that hold the float32 side to ``threads`` threads."""
+    if threads == 1:
+        flags = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+    else:
+        flags = f"--xla_cpu_multi_thread_eigen=true intra_op_parallelism_threads={threads}"
+    existing = os.environ.get("XLA_FLAGS", "")
+    return f"{existing} {flags}".strip()
+
+
+def _time_calls(fn, arg, min_seconds: float) -> float:
+    """Mean seconds per call of fn(arg) over at least min_seconds (and at least 2 calls)."""
+    calls, start = 0, time.perf_counter()
+    while True:
+        fn(arg).block_until_ready()
+        calls += 1
+        elapsed = time.perf_counter() - start
+        if calls >= 2 and elapsed >= min_seconds:
+            return elapsed / calls
+
+
+def worker(threads: int, quick: bool) -> list:
+    """Measures every case at one thread setting (jax must not be initialised before this runs)."""
+    import jax
+    import numpy as np
+
+    from actorq_jax import kernels
+    from actorq_jax.networks import PolicyNetwork
+    from actorq_jax.quantization import QuantConfig, quantize
+
+    kernels.set_num_threads(threads)
+    trials = 3 if quick else 7
+    min_seconds = 0.01 if quick else 0.03
+    rows = []
+    for hidden in HIDDEN:
+        net = PolicyNetwork(action_dim=ACTION_DIM, layer_sizes=(hidden,) * 3, activation="tanh")
+        params = net.init(jax.random.PRNGKey(0), np.zeros((1, OBS_DIM), np.float32))
+        qparams = quantize(params, QuantConfig(bits=8))
+        variant_params = {
+            "fp32": params,
+            "w8a32": kernels.pack_params(qparams, mode="w8a32"),
+            "w8a8": kernels.pack_params(qparams, mode="w8a8"),
+        }
+        apply = jax.jit(net.apply)
+        rng = np.random.default_rng(hidden)
+        for batch in BATCHES:
+            obs = jax.numpy.asarray(rng.normal(size=(batch, OBS_DIM)).astype(np.float32))
+            fns = {v: (lambda o, p=variant_params[v]: apply(p, o)) for v in VARIANTS}
+            for fn in fns.values():  # compile and warm caches
+                fn(obs).block_until_ready()
+                fn(obs).block_until_ready()
+            times = {v: [] for v in VARIANTS}
+            for trial in range(trials):
+                # Rotate the order each trial so no variant always runs first.
+                order = VARIANTS[trial % 3:] + VARIANTS[: trial % 3]
+                for v in order:
+                    times[v].append(_time_calls(fns[v], obs, min_seconds))
+            med = {v: statistics.median(times[v]) * 1e6 for v in VARIANTS}
+            rows.append({
+                "hidden": hidden,
+                "batch": batch,
+                "threads": threads,
+                "fp32_us": round(med["fp32"], 1),
+                "w8a32_us": round(med["w8a32"], 1),
+                "w8a8_us": round(med["w8a8"], 1),
+                "speedup_w8a32": round(med["fp32"] / med["w8a32"], 2),
+                "speedup_w8a8": round(med["fp32"] / med["w8a8"], 2),
+                "kernel": kernels.describe_kernel(),
+            })
+    return rows
+
+
+def _run_worker(threads: int, quick: bool) -> list:
+    env = dict(os.environ, XLA_FLAGS=_xla_flags(threads), JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", str(threads)]
+    if quick:
+        cmd.append("--quick")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        print(f"worker with {threads} thread(s) failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
+        return []
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _machine() -> dict:
+    cpu = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        import jax
+
+        jax_version = jax.__version__
+    except ImportError:
+        jax_version = "unknown"
+    return {"cpu": cpu, "cores": os.cpu_count(), "jax": jax_version}
+
+
+def main(argv: list | None = None) -> int:
+    """Runs every thread setting in a subprocess, prints the table, writes --json."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer trials (under a minute)")
+    parser.add_argument("--json", default=None, help="write results here")
+    parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker is not None:
+        print(json.dumps(worker(args.worker, args.quick)))
+        return 0
+
+    rows = []
+    for threads in THREADS:
+        rows.extend(_run_worker(threads, args.quick))
+    kernel = rows[0]["kernel"] if rows else "unknown"
+    print(f"actor_inference: MLP {OBS_DIM}->Hx3->{ACTION_DIM} (tanh), median us per forward; {kernel}")
+    header = "| H | batch | threads | fp32 us | int8 w8a32 us | fp32/w8a32 | int8 w8a8 us | fp32/w8a8 |"
+    print(header)
+    print("|" + " --- |" * 8)
+    for r in rows:
+        print(
+            f"| {r['hidden']} | {r['batch']} | {r['threads']} | {r['fp32_us']:.0f} | {r['w8a32_us']:.0f} "
+            f"| {r['speedup_w8a32']:.2f}x | {r['w8a8_us']:.0f} | {r['speedup_w8a8']:.2f}x |"
+        )
+
+    def speedup(hidden: int, batch: int, threads: int):
+        for r in rows:
+            if (r["hidden"], r["batch"], r["threads"]) == (hidden, batch, threads):
+                return r["speedup_w8a32"]
+        return None
+
+    headline = {
+        "speedup_256x3_b1_t1": speedup(256, 1, 1),
+        "speedup_2048x3_b1_t1": speedup(2048, 1, 1),
+        "speedup_4096x3_b1_t1": speedup(4096, 1, 1),
+        "speedup_2048x3_b1_t2": speedup(2048, 1, 2),
+    }
+    print("headline (fp32 / int8 w8a32):", json.dumps(headline))
+    if args.json:
+        result = {"benchmark": "actor_inference", "machine": _machine(), "rows": rows, "headline": headline}
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
