@@ -40,10 +40,12 @@ class Dense(nn.Module):
 
     @nn.compact
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
-        kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features), jnp.float32)
-        bias = (
-            self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32)
-            if self.use_bias
-            else None
-        )
+        if self.has_variable("params", "kernel"):
+            # Read directly: `self.param` would check the shape of a packed int8 kernel
+            # against the float layout and reject it.
+            kernel = self.get_variable("params", "kernel")
+            bias = self.get_variable("params", "bias") if self.use_bias else None
+        else:
+            kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features), jnp.float32)
+            bias = self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32) if self.use_bias else None
         return apply_dense(x, kernel, bias)

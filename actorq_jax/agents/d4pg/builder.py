@@ -1,0 +1,63 @@
+"""Assembles D4PG for the shared launcher: replay table, learner step, actor and evaluation policies."""
+
+import numpy as np
+
+import chex
+import jax.numpy as jnp
+
+from actorq_jax.agents.d4pg import acting, learning
+from actorq_jax.agents.d4pg.config import D4PGConfig
+from actorq_jax.environments import EnvironmentSpec
+from actorq_jax.replay import ReplayTableConfig
+
+
+class D4PGBuilder:
+    """What the launcher needs from D4PG (the DQN builder has the same methods)."""
+
+    prioritized = False  # uniform replay: batches carry no sampling info
+
+    def __init__(self, config: D4PGConfig, spec: EnvironmentSpec):
+        if spec.discrete:
+            raise ValueError("D4PG needs a continuous-action task; use DQN for discrete actions")
+        self.config = config
+        self.spec = spec
+        self.networks = learning.make_networks(config, spec)
+        self.sgd_step = learning.make_sgd_step(config, self.networks)
+
+    def replay_config(self) -> ReplayTableConfig:
+        """Uniform replay with FIFO removal, rate-limited to the configured samples per insert."""
+        c = self.config
+        return ReplayTableConfig(
+            name="replay",
+            max_size=c.max_replay_size,
+            min_size=c.min_replay_size,
+            samples_per_insert=c.samples_per_insert,
+            prioritized=False,
+        )
+
+    def init_state(self, key: chex.PRNGKey) -> learning.TrainingState:
+        """Fresh learner state."""
+        return learning.init_state(self.config, self.networks, self.spec, key)
+
+    def actor_params(self, state: learning.TrainingState) -> chex.ArrayTree:
+        """The parameters actors and evaluators run: the online policy's."""
+        return state.policy_params
+
+    def behaviour_policy(self, actor_id: int, num_actors: int) -> acting.BehaviourPolicy:
+        """Exploring policy of one actor."""
+        return acting.make_behaviour_policy(self.networks, self.config.actor_sigma(actor_id, num_actors))
+
+    def greedy_policy(self) -> acting.GreedyPolicy:
+        """Noise-free policy for evaluation."""
+        return acting.make_greedy_policy(self.networks)
+
+    def example_action(self) -> np.ndarray:
+        """An action with the replay table's dtype and shape."""
+        return np.zeros((self.spec.action_dim,), np.float32)
+
+    def params_template(self) -> chex.ArrayTree:
+        """Float actor parameters of the right structure (for checking incoming payloads)."""
+        import jax
+
+        obs = jnp.zeros((1, self.spec.observation_dim), jnp.float32)
+        return self.networks.policy.init(jax.random.PRNGKey(0), obs)

@@ -1,0 +1,148 @@
+"""D4PG learning: networks, losses and the pure jitted SGD step."""
+
+from typing import Dict, NamedTuple, Tuple
+
+import chex
+import jax
+import jax.numpy as jnp
+import optax
+import rlax
+
+from actorq_jax.agents.d4pg.config import D4PGConfig
+from actorq_jax.environments import EnvironmentSpec
+from actorq_jax.networks import CriticNetwork, PolicyNetwork, categorical_mean, value_atoms
+from actorq_jax.replay import Transition
+
+
+class D4PGNetworks(NamedTuple):
+    """The policy and critic modules plus the critic's value atoms."""
+
+    policy: PolicyNetwork
+    critic: CriticNetwork
+    atoms: jnp.ndarray
+
+
+class TrainingState(NamedTuple):
+    """Everything the learner updates, as one pytree (checkpointed as is)."""
+
+    policy_params: chex.ArrayTree
+    critic_params: chex.ArrayTree
+    target_policy_params: chex.ArrayTree
+    target_critic_params: chex.ArrayTree
+    policy_opt_state: chex.ArrayTree
+    critic_opt_state: chex.ArrayTree
+    steps: jnp.ndarray  # int32 scalar: SGD steps taken
+
+
+def make_networks(config: D4PGConfig, spec: EnvironmentSpec) -> D4PGNetworks:
+    """Builds the D4PG policy (squashed to the action bounds) and distributional critic."""
+    policy = PolicyNetwork(
+        action_dim=spec.action_dim,
+        layer_sizes=tuple(config.policy_layers),
+        layer_norm=config.policy_layer_norm,
+        activation="elu" if config.policy_layer_norm else "relu",
+        action_minimum=tuple(float(v) for v in spec.action_minimum),
+        action_maximum=tuple(float(v) for v in spec.action_maximum),
+    )
+    critic = CriticNetwork(layer_sizes=tuple(config.critic_layers), num_atoms=config.num_atoms)
+    return D4PGNetworks(policy, critic, value_atoms(config.v_min, config.v_max, config.num_atoms))
+
+
+def _optimizers(config: D4PGConfig) -> Tuple[optax.GradientTransformation, optax.GradientTransformation]:
+    clip = optax.clip_by_global_norm(config.max_grad_norm)
+    return (
+        optax.chain(clip, optax.adam(config.policy_learning_rate)),
+        optax.chain(clip, optax.adam(config.critic_learning_rate)),
+    )
+
+
+def init_state(config: D4PGConfig, networks: D4PGNetworks, spec: EnvironmentSpec, key: chex.PRNGKey) -> TrainingState:
+    """Initial parameters (targets equal to online) and optimiser states."""
+    policy_key, critic_key = jax.random.split(key)
+    obs = jnp.zeros((1, spec.observation_dim), jnp.float32)
+    act = jnp.zeros((1, spec.action_dim), jnp.float32)
+    policy_params = networks.policy.init(policy_key, obs)
+    critic_params = networks.critic.init(critic_key, obs, act)
+    policy_opt, critic_opt = _optimizers(config)
+    return TrainingState(
+        policy_params=policy_params,
+        critic_params=critic_params,
+        target_policy_params=policy_params,
+        target_critic_params=critic_params,
+        policy_opt_state=policy_opt.init(policy_params),
+        critic_opt_state=critic_opt.init(critic_params),
+        steps=jnp.zeros((), jnp.int32),
+    )
+
+
+def critic_loss(
+    critic_params: chex.ArrayTree,
+    target_critic_params: chex.ArrayTree,
+    target_policy_params: chex.ArrayTree,
+    networks: D4PGNetworks,
+    batch: Transition,
+) -> jnp.ndarray:
+    """Distributional TD loss: cross-entropy to the projected n-step target distribution."""
+    chex.assert_rank([batch.reward, batch.discount], 1)
+    logits_tm1 = networks.critic.apply(critic_params, batch.observation, batch.action)
+    next_action = networks.policy.apply(target_policy_params, batch.next_observation)
+    logits_t = networks.critic.apply(target_critic_params, batch.next_observation, next_action)
+    # `discount` already holds gamma^n times the environment's discounts (replay convention).
+    per_example = jax.vmap(rlax.categorical_td_learning, in_axes=(None, 0, 0, 0, None, 0))(
+        networks.atoms, logits_tm1, batch.reward, batch.discount, networks.atoms, logits_t
+    )
+    return jnp.mean(per_example)
+
+
+def policy_loss(
+    policy_params: chex.ArrayTree, critic_params: chex.ArrayTree, networks: D4PGNetworks, observation: jnp.ndarray
+) -> jnp.ndarray:
+    """Deterministic policy gradient through the critic's mean value."""
+    action = networks.policy.apply(policy_params, observation)
+
+    def total_value(a: jnp.ndarray) -> jnp.ndarray:
+        return jnp.sum(categorical_mean(networks.critic.apply(critic_params, observation, a), networks.atoms))
+
+    # Rows are independent, so the gradient of the batch sum is each row's dQ/da.
+    dqda = jax.grad(total_value)(action)
+    per_example = jax.vmap(rlax.dpg_loss)(action, dqda)
+    return jnp.mean(jnp.sum(per_example, axis=-1))
+
+
+def make_sgd_step(config: D4PGConfig, networks: D4PGNetworks):
+    """Returns the pure, jitted `sgd_step(state, batch) -> (state, metrics)`."""
+    policy_opt, critic_opt = _optimizers(config)
+
+    def sgd_step(state: TrainingState, batch: Transition) -> Tuple[TrainingState, Dict[str, jnp.ndarray]]:
+        c_loss, c_grads = jax.value_and_grad(critic_loss)(
+            state.critic_params, state.target_critic_params, state.target_policy_params, networks, batch
+        )
+        p_loss, p_grads = jax.value_and_grad(policy_loss)(
+            state.policy_params, state.critic_params, networks, batch.observation
+        )
+        c_updates, critic_opt_state = critic_opt.update(c_grads, state.critic_opt_state)
+        p_updates, policy_opt_state = policy_opt.update(p_grads, state.policy_opt_state)
+        critic_params = optax.apply_updates(state.critic_params, c_updates)
+        policy_params = optax.apply_updates(state.policy_params, p_updates)
+        steps = state.steps + 1
+        # Hard copy every target_update_period steps, counted after this update.
+        target_critic = optax.periodic_update(critic_params, state.target_critic_params, steps, config.target_update_period)
+        target_policy = optax.periodic_update(policy_params, state.target_policy_params, steps, config.target_update_period)
+        new_state = TrainingState(
+            policy_params=policy_params,
+            critic_params=critic_params,
+            target_policy_params=target_policy,
+            target_critic_params=target_critic,
+            policy_opt_state=policy_opt_state,
+            critic_opt_state=critic_opt_state,
+            steps=steps,
+        )
+        metrics = {
+            "critic_loss": c_loss,
+            "policy_loss": p_loss,
+            "critic_grad_norm": optax.global_norm(c_grads),
+            "policy_grad_norm": optax.global_norm(p_grads),
+        }
+        return new_state, metrics
+
+    return jax.jit(sgd_step)

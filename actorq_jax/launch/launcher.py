@@ -1,0 +1,297 @@
+"""Starts and watches one ActorQ run: a learner (owning Reverb), N actors and an evaluator.
+
+Every worker is a fresh `python -m actorq_jax.launch.worker` process (never a
+fork of a process that has initialised JAX), with its own thread budget and a
+log file under `<results_dir>/logs/`. The launcher restarts actors that die,
+stops the run when the learner dies, on Ctrl-C/SIGTERM or at a budget, and
+shuts down in an order that keeps every result: actors first, then the learner
+(final checkpoint and publication), then the evaluator's final evaluation.
+"""
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, TextIO
+
+from actorq_jax.launch import runtime
+from actorq_jax.launch.config import RunConfig, save_config
+
+log = logging.getLogger(__name__)
+
+LEARNER_START_TIMEOUT_S = 300.0
+ACTOR_STOP_TIMEOUT_S = 20.0
+LEARNER_FINAL_TIMEOUT_S = 180.0
+EVALUATOR_FINAL_TIMEOUT_S = 600.0
+PHASES = ("env_step", "inference", "adder", "pull", "deserialize", "load")
+
+
+@dataclasses.dataclass
+class Worker:
+    """One child process and how to start it again."""
+
+    name: str
+    role: str
+    args: List[str]
+    threads: int
+    process: Optional[subprocess.Popen] = None
+    restarts: int = 0
+    gave_up: bool = False
+
+
+class Launcher:
+    """Runs one experiment end to end and returns its summary."""
+
+    def __init__(self, run: RunConfig, agent_config: Any, stream: TextIO = sys.stderr):
+        self.run = run
+        self.agent_config = agent_config
+        self.results_dir = Path(run.results_dir).absolute()
+        self.stream = stream
+        self.stop = threading.Event()
+        self.workers: List[Worker] = []
+        self.events: List[str] = []
+
+    # -- processes ------------------------------------------------------------------
+
+    def _start(self, worker: Worker) -> None:
+        log_path = self.results_dir / "logs" / f"{worker.name}.log"
+        with open(log_path, "ab") as log_file:
+            worker.process = subprocess.Popen(
+                [sys.executable, "-m", "actorq_jax.launch.worker", worker.role,
+                 "--results_dir", str(self.results_dir), "--threads", str(worker.threads), *worker.args],
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "disable"), "TF_CPP_MIN_LOG_LEVEL": "2"},
+            )
+
+    def _say(self, message: str) -> None:
+        self.events.append(message)
+        print(f"[actorq] {message}", file=self.stream, flush=True)
+
+    def _log_tail(self, worker: Worker, lines: int = 30) -> str:
+        path = self.results_dir / "logs" / f"{worker.name}.log"
+        try:
+            return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return "(no log)"
+
+    def _terminate(self, workers: List[Worker], timeout_s: float) -> None:
+        for w in workers:
+            if w.process is not None and w.process.poll() is None:
+                w.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for w in workers:
+            if w.process is None:
+                continue
+            try:
+                w.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self._say(f"{w.name} did not stop within {timeout_s:.0f} s; killing it")
+                w.process.kill()
+                w.process.wait()
+
+    # -- main -----------------------------------------------------------------------
+
+    def launch(self) -> Dict[str, Any]:
+        """Runs the experiment; returns the summary (also written to summary.json)."""
+        from actorq_jax.telemetry import EnergyTracker, ProgressLine, write_json
+
+        run = self.run
+        (self.results_dir / "logs").mkdir(parents=True, exist_ok=True)
+        (self.results_dir / "status").mkdir(exist_ok=True)
+        (self.results_dir / "actors").mkdir(exist_ok=True)
+        for stale in ("learner.json", "learner.release.json", "launcher.json"):
+            runtime.status_file(self.results_dir, stale.rsplit(".json", 1)[0]).unlink(missing_ok=True)
+        save_config(self.results_dir / "config.json", run, self.agent_config)
+        start_wall = time.time()
+        write_json(runtime.status_file(self.results_dir, "launcher"), {"start_time": start_wall, "pid": os.getpid()})
+        previous = {sig: signal.signal(sig, lambda *_: self.stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+        energy = EnergyTracker(self.results_dir, country_iso_code=run.country, tracking_mode="machine")
+        energy.start()
+        start = time.monotonic()
+        learner = Worker("learner", "learner", [], run.learner_threads)
+        self.workers.append(learner)
+        exit_code = 0
+        try:
+            self._start(learner)
+            address = self._wait_for_learner(learner)
+            if address is None:
+                exit_code = 1
+            else:
+                self._say(f"learner up; remote actors join with: python -m actorq_jax.launch.actor --server {address}")
+                server = runtime.read_status(self.results_dir, "learner")["local_address"]
+                for i in range(run.num_actors):
+                    self.workers.append(Worker(f"actor_{i}", "actor", ["--actor_id", str(i), "--server", server], run.actor_threads))
+                self.workers.append(Worker("evaluator", "evaluator", ["--server", server], run.actor_threads))
+                for w in self.workers[1:]:
+                    self._start(w)
+                with ProgressLine(self.stream) as progress:
+                    exit_code = self._watch(learner, progress, start)
+        finally:
+            self._shutdown(learner)
+            energy_report = energy.stop()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        summary = self._summarise(time.monotonic() - start, energy_report, exit_code)
+        write_json(self.results_dir / "summary.json", summary)
+        return summary
+
+    def _wait_for_learner(self, learner: Worker) -> Optional[str]:
+        deadline = time.monotonic() + LEARNER_START_TIMEOUT_S
+        while time.monotonic() < deadline and not self.stop.is_set():
+            status = runtime.read_status(self.results_dir, "learner")
+            if status.get("address"):
+                return status["address"]
+            if learner.process.poll() is not None:
+                self._say(f"learner exited with code {learner.process.returncode} before starting:\n{self._log_tail(learner)}")
+                return None
+            time.sleep(0.2)
+        if not self.stop.is_set():
+            self._say(f"learner did not start within {LEARNER_START_TIMEOUT_S:.0f} s:\n{self._log_tail(learner)}")
+        return None
+
+    def _watch(self, learner: Worker, progress: Any, start: float) -> int:
+        run = self.run
+        last_steps, last_time = 0, time.monotonic()
+        rate = 0.0
+        while not self.stop.wait(0.25):
+            if learner.process.poll() is not None:
+                self._say(f"learner died (exit code {learner.process.returncode}); stopping the run:\n{self._log_tail(learner)}")
+                return 1
+            status = runtime.read_status(self.results_dir, "learner")
+            if status.get("phase") in ("final", "done"):
+                self._say("learner reached its step budget")
+                return 0
+            for w in self.workers[1:]:
+                if w.gave_up or w.process.poll() is None:
+                    continue
+                code = w.process.returncode
+                if w.restarts < run.max_actor_restarts:
+                    w.restarts += 1
+                    self._say(f"{w.name} died (exit code {code}); restart {w.restarts}/{run.max_actor_restarts}")
+                    if w.role == "actor":
+                        w.args = [a for a in w.args]
+                        if "--restart" in w.args:
+                            w.args[w.args.index("--restart") + 1] = str(w.restarts)
+                        else:
+                            w.args += ["--restart", str(w.restarts)]
+                    self._start(w)
+                else:
+                    w.gave_up = True
+                    self._say(f"{w.name} died (exit code {code}) after {w.restarts} restarts; the run goes on without it:\n{self._log_tail(w)}")
+            env_steps = int(status.get("env_steps", 0))
+            learner_steps = int(status.get("learner_steps", 0))
+            elapsed = time.monotonic() - start
+            now = time.monotonic()
+            if now - last_time >= 2.0:
+                rate = (env_steps - last_steps) / (now - last_time)
+                last_steps, last_time = env_steps, now
+            progress.update(
+                f"{elapsed:7.0f}s  env steps {env_steps:>9,d} ({rate:7.0f}/s)  learner steps {learner_steps:>7,d}"
+                f"  eval return {self._last_eval()}"
+            )
+            if run.max_env_steps is not None and env_steps >= run.max_env_steps:
+                self._say(f"env step budget reached ({env_steps:,d} >= {run.max_env_steps:,d})")
+                return 0
+            if run.max_learner_steps is not None and learner_steps >= run.max_learner_steps:
+                return 0
+            if run.max_seconds is not None and elapsed >= run.max_seconds:
+                self._say(f"wall-clock budget reached ({elapsed:.0f} s)")
+                return 0
+        self._say("stop requested; shutting down")
+        return 0
+
+    def _last_eval(self) -> str:
+        rows = _read_rows(self.results_dir / "eval.csv")
+        rows = [r for r in rows if r.get("policy") == "fp32"]
+        return f"{float(rows[-1]['return']):.1f}" if rows else "-"
+
+    def _shutdown(self, learner: Worker) -> None:
+        actors = [w for w in self.workers if w.role == "actor"]
+        evaluators = [w for w in self.workers if w.role == "evaluator"]
+        self._terminate(actors, ACTOR_STOP_TIMEOUT_S)
+        if learner.process is not None and learner.process.poll() is None:
+            learner.process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + LEARNER_FINAL_TIMEOUT_S
+            while time.monotonic() < deadline and learner.process.poll() is None:
+                if runtime.read_status(self.results_dir, "learner").get("phase") in ("final", "done"):
+                    break
+                time.sleep(0.2)
+        self._terminate(evaluators, EVALUATOR_FINAL_TIMEOUT_S)
+        from actorq_jax.telemetry import write_json
+
+        write_json(runtime.status_file(self.results_dir, "learner.release"), {"released": True})
+        self._terminate([learner], LEARNER_FINAL_TIMEOUT_S)
+
+    # -- results --------------------------------------------------------------------
+
+    def _summarise(self, wall_seconds: float, energy: Dict[str, float], exit_code: int) -> Dict[str, Any]:
+        status = runtime.read_status(self.results_dir, "learner")
+        env_steps = int(status.get("env_steps", 0))
+        evals = _read_rows(self.results_dir / "eval.csv")
+        summary: Dict[str, Any] = {
+            "agent": self.run.agent,
+            "task": self.run.task,
+            "seed": self.run.seed,
+            "actor_bits": self.run.actor_bits,
+            "comm_bits": self.run.wire_bits,
+            "num_actors": self.run.num_actors,
+            "env_steps": env_steps,
+            "learner_steps": int(status.get("learner_steps", 0)),
+            "wall_seconds": wall_seconds,
+            "env_steps_per_second": env_steps / wall_seconds if wall_seconds > 0 else 0.0,
+            "energy_kwh": energy.get("energy_kwh", math.nan),
+            "emissions_kg": energy.get("emissions_kg", math.nan),
+            "exit_code": exit_code,
+            "events": self.events,
+        }
+        for policy, suffix in (("fp32", ""), ("actor", "_actor_policy")):
+            final, best = _eval_returns(evals, policy)
+            summary[f"final_eval_return{suffix}"] = final
+            summary[f"best_eval_return{suffix}"] = best
+        totals = {phase: 0.0 for phase in PHASES}
+        episodes = 0
+        for path in sorted((self.results_dir / "actors").glob("actor_*.csv")):
+            for row in _read_rows(path):
+                episodes += 1
+                for phase in PHASES:
+                    totals[phase] += float(row.get(f"{phase}_s") or 0.0)
+        summary["actor_episodes"] = episodes
+        summary["actor_time_s"] = totals
+        return summary
+
+
+def _read_rows(path: Path) -> List[Dict[str, str]]:
+    """Rows of a CSV as dicts of strings ([] when the file does not exist yet)."""
+    import csv
+
+    try:
+        with open(path, newline="") as f:
+            return list(csv.DictReader(f))
+    except FileNotFoundError:
+        return []
+
+
+def _eval_returns(rows: List[Dict[str, str]], policy: str) -> tuple:
+    """(final, best) mean evaluation return of one policy; NaN when it was never evaluated."""
+    by_version: Dict[tuple, List[float]] = {}
+    for row in rows:
+        if row.get("policy") == policy and row.get("return") not in (None, ""):
+            by_version.setdefault((int(row["final"] or 0), int(row["learner_steps"])), []).append(float(row["return"]))
+    if not by_version:
+        return math.nan, math.nan
+    means = {k: sum(v) / len(v) for k, v in by_version.items()}
+    final = means[max(means)]  # a final=1 row sorts after every periodic one
+    return final, max(means.values())
+
+
+def launch(run: RunConfig, agent_config: Any, stream: TextIO = sys.stderr) -> Dict[str, Any]:
+    """Runs one experiment and returns its summary."""
+    return Launcher(run, agent_config, stream).launch()

@@ -1,0 +1,95 @@
+"""Process plumbing shared by the learner, actor and evaluator workers (imports no JAX)."""
+
+import ctypes
+import os
+import signal
+import threading
+from pathlib import Path
+from typing import Any, Dict
+
+# Tables on the learner's Reverb server besides the replay table.
+VARIABLES_TABLE = "variables"  # the actors' policy at comm_bits, refreshed every publish_period
+EVAL_VARIABLES_TABLE = "eval_variables"  # the float32 policy, refreshed every eval_period
+CONFIG_TABLE = "config"  # config.json as uint8, so remote actors run the same configuration
+
+
+def thread_env(threads: int) -> Dict[str, str]:
+    """Environment variables that hold XLA, TensorFlow and OpenMP to `threads` threads (0: no limit)."""
+    if threads <= 0:
+        return {}
+    env = {
+        "OMP_NUM_THREADS": str(threads),
+        "TF_NUM_INTRAOP_THREADS": str(threads),
+        "TF_NUM_INTEROP_THREADS": "1",
+        "ACTORQ_KERNEL_THREADS": str(threads),
+    }
+    if threads == 1:
+        # XLA:CPU's Eigen pool otherwise starts one thread per core in every process.
+        env["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+    return env
+
+
+def apply_thread_env(threads: int) -> None:
+    """Sets the thread budget in this process; must run before JAX or TensorFlow is imported."""
+    for key, value in thread_env(threads).items():
+        if key == "XLA_FLAGS" and os.environ.get("XLA_FLAGS"):
+            value = os.environ["XLA_FLAGS"] + " " + value
+        os.environ[key] = value
+
+
+def install_stop_handlers() -> threading.Event:
+    """An event set by SIGTERM or SIGINT, so loops can finish their step and shut down cleanly."""
+    stop = threading.Event()
+
+    def handler(signum: int, frame: Any) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    return stop
+
+
+def die_with_parent() -> None:
+    """Asks Linux to SIGTERM this process when its parent dies, so no orphan outlives a killed launcher."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return  # not Linux/glibc: the launcher's own shutdown still reaps children
+    PR_SET_PDEATHSIG = 1
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def status_file(results_dir: Path, role: str) -> Path:
+    """Where a worker reports its progress for the launcher."""
+    return Path(results_dir) / "status" / f"{role}.json"
+
+
+def read_status(results_dir: Path, role: str) -> Dict[str, Any]:
+    """A worker's last reported status ({} before its first report)."""
+    import json
+
+    path = status_file(results_dir, role)
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def make_builder(agent: str, config: Any, spec: Any) -> Any:
+    """The agent's builder (D4PGBuilder or DQNBuilder) for a task's spec."""
+    if agent == "d4pg":
+        from actorq_jax.agents.d4pg.builder import D4PGBuilder
+
+        return D4PGBuilder(config, spec)
+    if agent == "dqn":
+        from actorq_jax.agents.dqn.builder import DQNBuilder
+
+        return DQNBuilder(config, spec)
+    raise ValueError(f"unknown agent {agent!r}; choose d4pg or dqn")
+
+
+def derive_seed(*parts: int) -> int:
+    """A 32-bit seed derived from several integers (run seed, actor id, restart...)."""
+    import numpy as np
+
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0])

@@ -1,0 +1,87 @@
+"""Entry point of the processes the launcher starts: `python -m actorq_jax.launch.worker ROLE ...`.
+
+Thread budgets are environment variables that XLA and TensorFlow read once, so
+this module sets them before anything imports JAX.
+"""
+
+import argparse
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import Callable, Optional
+
+from actorq_jax.launch import runtime
+
+
+def main(argv: Optional[list] = None) -> int:
+    """Runs one learner, actor or evaluator of the run in --results_dir."""
+    parser = argparse.ArgumentParser(description="One worker process of an ActorQ run (started by the launcher).")
+    parser.add_argument("role", choices=("learner", "actor", "evaluator"))
+    parser.add_argument("--results_dir", required=True)
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--actor_id", type=int, default=0)
+    parser.add_argument("--restart", type=int, default=0)
+    parser.add_argument("--server", default=None)
+    args = parser.parse_args(argv)
+    runtime.apply_thread_env(args.threads)
+    runtime.die_with_parent()
+    stop = runtime.install_stop_handlers()
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.role}: %(message)s")
+
+    from actorq_jax.launch.config import config_from_json
+
+    results_dir = Path(args.results_dir)
+    config_json = (results_dir / "config.json").read_text()
+    run, agent_config = config_from_json(config_json)
+    if args.role == "learner":
+        from actorq_jax.launch.learner import run_learner
+
+        # The learner never blocks for long (sampling has a timeout): run it on the main thread.
+        run_learner(run, agent_config, config_json, stop)
+        return 0
+    if args.role == "actor":
+        from actorq_jax.launch.actor import run_actor
+
+        target = lambda: run_actor(  # noqa: E731
+            run, agent_config, args.actor_id, args.server, stop, results_dir / "actors", restart=args.restart
+        )
+    else:
+        from actorq_jax.launch.evaluator import run_evaluator
+
+        target = lambda: run_evaluator(run, agent_config, args.server, stop)  # noqa: E731
+    # The evaluator's final evaluation runs after the stop request: give it time.
+    return run_until_stopped(target, stop, grace_s=10.0 if args.role == "actor" else 600.0)
+
+
+def run_until_stopped(target: Callable[[], None], stop: threading.Event, grace_s: float = 10.0) -> int:
+    """Runs `target` in a thread; once `stop` is set, gives it `grace_s` to finish, then exits anyway.
+
+    An actor can sit inside a Reverb call that the rate limiter holds (the learner
+    has stopped sampling), where Python signal handlers cannot reach it. Its logs
+    are flushed row by row, so leaving without unwinding it loses nothing.
+    """
+    errors: list = []
+
+    def body() -> None:
+        try:
+            target()
+        except BaseException as error:  # reported by the main thread below, with its traceback
+            errors.append(error)
+            logging.exception("worker failed")
+
+    thread = threading.Thread(target=body, name="worker", daemon=True)
+    thread.start()
+    while thread.is_alive() and not stop.is_set():
+        thread.join(0.5)
+    thread.join(grace_s)
+    if thread.is_alive():
+        logging.warning("still blocked %.0f s after the stop request (likely a rate-limited Reverb call); exiting", grace_s)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    return 1 if errors else 0
+
+if __name__ == "__main__":
+    sys.exit(main())
