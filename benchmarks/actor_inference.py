@@ -58,8 +58,8 @@ def worker(threads: int, quick: bool) -> list:
     from actorq_jax.quantization import QuantConfig, quantize
 
     kernels.set_num_threads(threads)
-    trials = 3 if quick else 7
-    min_seconds = 0.01 if quick else 0.03
+    trials = 3 if quick else 15
+    min_seconds = 0.005 if quick else 0.05
     rows = []
     for hidden in HIDDEN:
         net = PolicyNetwork(action_dim=ACTION_DIM, layer_sizes=(hidden,) * 3, activation="tanh")

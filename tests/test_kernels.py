@@ -187,9 +187,9 @@ def test_unsupported_path_is_refused_by_the_kernel():
 
 def test_jit_repeated_calls_with_two_threads():
     rng = np.random.default_rng(8)
-    # Large enough to cross the parallel threshold, so the pool really runs.
-    x, w, bias, _, _ = _case(rng, 3, 300, 520, "w8a32")
-    x8, w8, b8, _, _ = _case(rng, 2, 301, 530, "w8a8")
+    # M * K * N above the kernel's parallel threshold (2^21 multiply-adds), so the pool really runs.
+    x, w, bias, _, _ = _case(rng, 5, 650, 700, "w8a32")
+    x8, w8, b8, _, _ = _case(rng, 4, 701, 770, "w8a8")
     ref, ref8 = np.asarray(reference_int8_dense(x, w, bias)), np.asarray(reference_int8_dense(x8, w8, b8))
     fn = jax.jit(int8_dense)
     kernels.set_num_threads(2)

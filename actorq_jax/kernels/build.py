@@ -1,7 +1,7 @@
 """Compiles the int8 dense-layer library against the installed jaxlib's FFI headers.
 
 Run by setup.py on install, or by hand: ``python -m actorq_jax.kernels.build``.
-Needs a C++17 compiler with AVX-512 VNNI intrinsics (g++ >= 8; tested with g++ 12.2);
+Needs a C++17 compiler with AVX-512 VNNI intrinsics (g++ >= 9; tested with g++ 12.2);
 the library itself is built without -m flags and runs on any x86-64 CPU.
 This module imports nothing from actorq_jax so setup.py can load it on its own.
 """

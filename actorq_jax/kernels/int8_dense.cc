@@ -81,16 +81,16 @@ class Pool {
   void Resize(int workers) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
+      stop_.store(true);
     }
     work_cv_.notify_all();
     for (auto& t : threads_) t.join();
     threads_.clear();
-    stop_ = false;
+    stop_.store(false);
     // The generation is read here, not in the new thread: a thread that starts
     // after the first Run() would otherwise take that job's generation as
     // already seen and never join it, and Run() would wait for it forever.
-    const uint64_t start_generation = generation_;
+    const uint64_t start_generation = generation_.load();
     for (int i = 0; i < workers; ++i)
       threads_.emplace_back([this, start_generation] { WorkerLoop(start_generation); });
   }
@@ -106,37 +106,46 @@ class Pool {
       fn_ = &fn;
       ntasks_ = ntasks;
       next_.store(0);
-      pending_ = static_cast<int>(threads_.size());
-      ++generation_;
+      pending_.store(static_cast<int>(threads_.size()));
+      generation_.fetch_add(1);
     }
     work_cv_.notify_all();
     Drain(fn, ntasks);
+    // Layers run back to back, so the workers usually finish within
+    // microseconds: spin briefly before sleeping.
+    for (int spin = 0; spin < kSpin && pending_.load() != 0; ++spin) _mm_pause();
     std::unique_lock<std::mutex> lock(mu_);
-    done_cv_.wait(lock, [this] { return pending_ == 0; });
+    done_cv_.wait(lock, [this] { return pending_.load() == 0; });
     fn_ = nullptr;
   }
 
  private:
+  static constexpr int kSpin = 4000;  // about 50-100 us of _mm_pause
+
   void Drain(const std::function<void(int64_t)>& fn, int64_t ntasks) {
     for (int64_t i = next_.fetch_add(1); i < ntasks; i = next_.fetch_add(1)) fn(i);
   }
 
   void WorkerLoop(uint64_t seen) {
     for (;;) {
+      // A next job (the next layer) often follows at once: spin before sleeping.
+      for (int spin = 0; spin < kSpin && generation_.load() == seen && !stop_.load(); ++spin)
+        _mm_pause();
       const std::function<void(int64_t)>* fn;
       int64_t ntasks;
       {
         std::unique_lock<std::mutex> lock(mu_);
-        work_cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
-        if (stop_) return;
-        seen = generation_;
+        work_cv_.wait(lock, [&] { return stop_.load() || generation_.load() != seen; });
+        if (stop_.load()) return;
+        seen = generation_.load();
         fn = fn_;
         ntasks = ntasks_;
       }
       Drain(*fn, ntasks);
       {
+        // Under the lock, so Run() cannot check pending_ and then miss this notify.
         std::lock_guard<std::mutex> lock(mu_);
-        if (--pending_ == 0) done_cv_.notify_one();
+        if (pending_.fetch_sub(1) == 1) done_cv_.notify_one();
       }
     }
   }
@@ -144,12 +153,12 @@ class Pool {
   std::vector<std::thread> threads_;
   std::mutex mu_;
   std::condition_variable work_cv_, done_cv_;
-  uint64_t generation_ = 0;
-  bool stop_ = false;
-  const std::function<void(int64_t)>* fn_ = nullptr;
-  int64_t ntasks_ = 0;
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<bool> stop_{false};
+  const std::function<void(int64_t)>* fn_ = nullptr;  // guarded by mu_
+  int64_t ntasks_ = 0;                                // guarded by mu_
   std::atomic<int64_t> next_{0};
-  int pending_ = 0;
+  std::atomic<int> pending_{0};
 };
 
 std::mutex g_pool_mu;  // serialises calls that use the pool, and resizing
@@ -162,7 +171,7 @@ Pool& GlobalPool() {
 
 // Work below this many multiply-adds runs on the calling thread only: waking
 // a worker costs more than it saves.
-constexpr int64_t kParallelMinMacs = int64_t{1} << 18;
+constexpr int64_t kParallelMinMacs = int64_t{1} << 21;
 
 // Splits the panels [0, P) into contiguous ranges and runs body(p0, p1) on them.
 void ForPanels(int64_t P, int64_t macs, const std::function<void(int64_t, int64_t)>& body) {
