@@ -1,9 +1,9 @@
 """Assembles D4PG for the shared launcher: replay table, learner step, actor and evaluation policies."""
 
-import numpy as np
-
 import chex
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from actorq_jax.agents.d4pg import acting, learning
 from actorq_jax.agents.d4pg.config import D4PGConfig
@@ -57,7 +57,5 @@ class D4PGBuilder:
 
     def params_template(self) -> chex.ArrayTree:
         """Float actor parameters of the right structure (for checking incoming payloads)."""
-        import jax
-
         obs = jnp.zeros((1, self.spec.observation_dim), jnp.float32)
         return self.networks.policy.init(jax.random.PRNGKey(0), obs)

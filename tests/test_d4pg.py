@@ -1,0 +1,128 @@
+"""D4PG units: the critic loss by hand, learning on a fixed batch, target updates, the policies."""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from actorq_jax.agents.d4pg import acting, learning
+from actorq_jax.agents.d4pg.builder import D4PGBuilder
+from actorq_jax.agents.d4pg.config import D4PGConfig
+from actorq_jax.environments import EnvironmentSpec
+from actorq_jax.replay import Transition
+
+OBS_DIM, ACT_DIM = 4, 2
+
+
+def _spec(low=-1.0, high=1.0) -> EnvironmentSpec:
+    return EnvironmentSpec(
+        observation_dim=OBS_DIM, discrete=False, action_dim=ACT_DIM, num_actions=None,
+        action_minimum=np.full(ACT_DIM, low, np.float32), action_maximum=np.full(ACT_DIM, high, np.float32),
+    )
+
+
+def _tiny_config(**overrides) -> D4PGConfig:
+    base = D4PGConfig(policy_layers=(16, 16), critic_layers=(16, 16), batch_size=8, target_update_period=3)
+    return dataclasses.replace(base, **overrides)
+
+
+def _batch(size: int = 8, seed: int = 0) -> Transition:
+    rng = np.random.default_rng(seed)
+    return Transition(
+        observation=rng.normal(size=(size, OBS_DIM)).astype(np.float32),
+        action=rng.uniform(-1, 1, size=(size, ACT_DIM)).astype(np.float32),
+        reward=rng.normal(size=(size,)).astype(np.float32),
+        discount=np.full((size,), 0.9, np.float32),
+        next_observation=rng.normal(size=(size, OBS_DIM)).astype(np.float32),
+    )
+
+
+def _constant_critic(params, bias):
+    """Critic parameters whose logits are `bias` whatever the input (zero head kernel)."""
+    head = params["params"]["head"]
+    head = {"kernel": jnp.zeros_like(head["kernel"]), "bias": jnp.asarray(bias, jnp.float32)}
+    return {"params": {**params["params"], "head": head}}
+
+
+@pytest.mark.parametrize(
+    "reward, discount, expected",
+    [
+        # Target all at r=0.5 (discount 0): mass 1/2 on atoms 0 and 1; predicted [1/4, 1/2, 1/4].
+        (0.5, 0.0, 1.5 * math.log(2.0)),
+        # Target atoms [-0.5, 0, 0.5] with [1/4, 1/2, 1/4] project to [1/8, 3/4, 1/8].
+        (0.0, 0.5, 1.25 * math.log(2.0)),
+    ],
+)
+def test_critic_loss_matches_hand_computation(reward, discount, expected):
+    config = _tiny_config(num_atoms=3, v_min=-1.0, v_max=1.0)
+    networks = learning.make_networks(config, _spec())
+    state = learning.init_state(config, networks, _spec(), jax.random.PRNGKey(0))
+    critic = _constant_critic(state.critic_params, [0.0, math.log(2.0), 0.0])
+    batch = _batch(size=4)._replace(reward=np.full(4, reward, np.float32), discount=np.full(4, discount, np.float32))
+    loss = learning.critic_loss(critic, critic, state.target_policy_params, networks, batch)
+    assert float(loss) == pytest.approx(expected, rel=1e-5)
+
+
+def test_sgd_step_lowers_the_loss_on_a_fixed_batch():
+    config = _tiny_config(
+        critic_learning_rate=1e-3, policy_learning_rate=1e-3, target_update_period=1000, num_atoms=11, v_min=-5.0, v_max=5.0
+    )
+    builder = D4PGBuilder(config, _spec())
+    state = builder.init_state(jax.random.PRNGKey(0))
+    # Discount 0: the target is the reward alone, so the loss can fall to at most ln 2 (two atoms).
+    batch = _batch()._replace(discount=np.zeros(8, np.float32))
+    _, first = builder.sgd_step(state, batch)
+    for _ in range(200):
+        state, metrics = builder.sgd_step(state, batch)
+    assert float(first["critic_loss"]) > 2.0
+    assert float(metrics["critic_loss"]) < 0.5 * float(first["critic_loss"])
+    assert np.isfinite(float(metrics["policy_loss"]))
+
+
+def test_target_parameters_change_exactly_every_target_period():
+    period = 3
+    builder = D4PGBuilder(_tiny_config(target_update_period=period), _spec())
+    state = builder.init_state(jax.random.PRNGKey(0))
+    batch = _batch()
+    leaf = lambda tree: np.asarray(jax.tree_util.tree_leaves(tree)[0]).copy()  # noqa: E731
+    changed_at = []
+    for step in range(1, 10):
+        before = leaf(state.target_critic_params), leaf(state.target_policy_params)
+        state, _ = builder.sgd_step(state, batch)
+        after = leaf(state.target_critic_params), leaf(state.target_policy_params)
+        if not np.array_equal(before[0], after[0]):
+            assert not np.array_equal(before[1], after[1])  # both targets move together
+            changed_at.append(step)
+            # After an update the targets equal the online parameters.
+            np.testing.assert_array_equal(after[0], leaf(state.critic_params))
+    assert changed_at == [3, 6, 9]
+
+
+def test_behaviour_actions_inside_spec_and_reproducible():
+    spec = _spec(low=-0.25, high=0.5)
+    builder = D4PGBuilder(_tiny_config(sigma=5.0), spec)  # huge noise: clipping must hold
+    params = builder.actor_params(builder.init_state(jax.random.PRNGKey(0)))
+    policy = builder.behaviour_policy(actor_id=0, num_actors=1)
+    obs = np.ones(OBS_DIM, np.float32)
+    actions = np.stack([np.asarray(policy(params, jax.random.PRNGKey(i), obs)) for i in range(50)])
+    assert actions.shape == (50, ACT_DIM)
+    assert np.all(actions >= -0.25) and np.all(actions <= 0.5)
+    assert len(np.unique(actions[:, 0])) > 2  # noise is applied
+    again = np.stack([np.asarray(policy(params, jax.random.PRNGKey(i), obs)) for i in range(50)])
+    np.testing.assert_array_equal(actions, again)
+    greedy = builder.greedy_policy()
+    np.testing.assert_array_equal(np.asarray(greedy(params, obs)), np.asarray(greedy(params, obs)))
+
+
+def test_per_actor_sigma_spread_and_config_validation():
+    config = D4PGConfig(sigma=0.2, sigma_spread=1.0)
+    sigmas = [config.actor_sigma(i, 3) for i in range(3)]
+    assert sigmas == pytest.approx([0.1, 0.2, 0.3])
+    assert D4PGConfig(sigma=0.2).actor_sigma(2, 3) == 0.2
+    with pytest.raises(ValueError, match="discount"):
+        D4PGConfig(discount=1.5)
+    with pytest.raises(ValueError, match="continuous"):
+        D4PGBuilder(D4PGConfig(), EnvironmentSpec(4, True, None, 2, np.int32(0), np.int32(1)))
