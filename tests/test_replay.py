@@ -72,10 +72,11 @@ def brute_force(episode, n: int, gamma: float):
 
 
 def read_all(address: str, table: str, count: int) -> Transition:
-    """All `count` items of a FIFO queue table, in insertion order."""
-    dataset = ReplayDataset(address, table, batch_size=count, prefetch=0, num_workers=1,
-                            rate_limiter_timeout_ms=5000)
-    return next(dataset)
+    """All `count` items of a FIFO queue table, in insertion order, stacked."""
+    client = reverb.Client(address)
+    samples = list(client.sample(table, num_samples=count, emit_timesteps=False,
+                                 unpack_as_table_signature=True))
+    return Transition(*[np.stack([s.data[field] for s in samples]) for field in Transition._fields])
 
 
 def assert_transitions(batch: Transition, expected) -> None:

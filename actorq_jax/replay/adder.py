@@ -39,7 +39,7 @@ class NStepAdder:
     """
 
     def __init__(self, client: reverb.Client, table: str, n_step: int, discount: float,
-                 priority: float = 1.0, max_in_flight_items: int = 4,
+                 priority: float = 1.0, max_in_flight_items: int = 16,
                  connect_timeout_s: float = 30.0):
         if isinstance(n_step, bool) or not isinstance(n_step, int) or n_step < 1:
             raise ValueError(f"n_step must be an int >= 1, got n_step={n_step!r}")
@@ -90,22 +90,27 @@ class NStepAdder:
         reward = float(np.asarray(next_timestep.reward if next_timestep.reward is not None else 0.0))
         env_discount = float(np.asarray(
             next_timestep.discount if next_timestep.discount is not None else 1.0))
-        # Close o_t's step with a_t, then open the step of o_{t+1}.
+        # Close o_t's step with a_t, then open the step of o_{t+1}; the item that
+        # o_{t+1} completes (o_{t+1-n}'s) rides on that step with its reward/discount.
         self._writer.append({"action": self._cast("action", action)})
         self._step_open = False
-        self._append_observation(next_timestep.observation)
         self._rewards.append(reward)
         self._discounts.append(env_discount)
         self.steps_added += 1
-        t_next = len(self._obs_steps) - 1  # index of o_{t+1} in this episode
+        t_next = len(self._obs_steps)  # episode index of o_{t+1}
         first = t_next - self._n
+        self._append_observation(next_timestep.observation,
+                                 self._item_values(first, t_next) if first >= 0 else None)
         if first >= 0:
-            self._write_item(first, t_next, priority, on_open_step=True)
+            self._create_item(first, t_next, priority)
         if next_timestep.last():
-            # The last min(n, T) - 1 (or, for T < n, all T) steps have no o_{t+n}.
-            start = max(first + 1, 0)
-            for i, t in enumerate(range(start, t_next)):
-                self._write_item(t, t_next, priority, on_open_step=(i == 0 and first < 0))
+            # The last min(n, T) - 1 (or, for T < n, all T) steps have no o_{t+n}:
+            # each gets a step of its own holding its m-step reward/discount.
+            for t in range(max(first + 1, 0), t_next):
+                self._close_step()
+                self._writer.append(self._item_values(t, t_next))
+                self._steps += 1
+                self._create_item(t, t_next, priority)
             self._end_episode()
             self.episodes += 1
             self._start_episode_state()
@@ -151,32 +156,27 @@ class NStepAdder:
         self._close_step()
         self._writer.end_episode(clear_buffers=True)
 
-    def _append_observation(self, observation: Any) -> None:
-        self._writer.append({"observation": self._cast("observation", observation)}, partial_step=True)
+    def _append_observation(self, observation: Any, extra: Optional[Dict[str, Any]] = None) -> None:
+        values = {"observation": self._cast("observation", observation)}
+        if extra:
+            values.update(extra)
+        self._writer.append(values, partial_step=True)
         self._obs_steps.append(self._steps)
         self._steps += 1
         self._step_open = True
 
-    def _returns(self, t: int, t_next: int) -> Tuple[float, float]:
+    def _item_values(self, t: int, t_next: int) -> Dict[str, np.ndarray]:
+        """The n-step reward and discount of the item from o_t to o_{t_next}."""
         # rewards/discounts deques hold transitions t_next-len .. t_next-1.
         offset = t_next - len(self._rewards)
         total, scale = 0.0, 1.0
         for k in range(t - offset, t_next - offset):
             total += scale * self._rewards[k]
             scale *= self._gamma * self._discounts[k]
-        return total, scale
+        return {"reward": np.float32(total), "discount": np.float32(scale)}
 
-    def _write_item(self, t: int, t_next: int, priority: float, on_open_step: bool) -> None:
-        reward, discount = self._returns(t, t_next)
-        values = {"reward": np.float32(reward), "discount": np.float32(discount)}
-        if on_open_step:
-            # Ride along o_{t_next}'s step, which stays open for its action.
-            self._writer.append(values, partial_step=True)
-        else:
-            # One extra step per end-of-episode item, after closing o_T's step.
-            self._close_step()
-            self._writer.append(values)
-            self._steps += 1
+    def _create_item(self, t: int, t_next: int, priority: float) -> None:
+        """Item (o_t, a_t, reward/discount of the last step, o_{t_next})."""
         history = self._writer.history
         obs_col, act_col = history["observation"], history["action"]
         self._writer.create_item(

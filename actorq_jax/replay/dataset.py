@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Iterator, NamedTuple, Sequence, Union
+from typing import Iterator, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 import reverb
@@ -33,14 +33,16 @@ class ReplayDataset:
     """An iterator of batches (Transition of numpy arrays, or ReplayBatch with_info) from a table.
 
     Built on reverb.TrajectoryDataset (TF) from the table's signature, batched with
-    drop_remainder and prefetched. `rate_limiter_timeout_ms` >= 0 ends the iteration
+    drop_remainder and prefetched. `max_in_flight_samples` (default 2 * batch_size)
+    is how many samples each worker requests at once. `rate_limiter_timeout_ms` >= 0 ends the iteration
     (StopIteration) once the rate limiter has refused a sample for that long;
     -1 waits forever, as a learner does.
     """
 
     def __init__(self, address: str, table: str, batch_size: int, prefetch: int = 2,
                  with_info: bool = False, num_workers: int = -1,
-                 rate_limiter_timeout_ms: int = -1, connect_timeout_s: float = 30.0):
+                 rate_limiter_timeout_ms: int = -1, connect_timeout_s: float = 30.0,
+                 max_in_flight_samples: Optional[int] = None):
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got batch_size={batch_size!r}")
         if not isinstance(prefetch, int) or prefetch < 0:
@@ -63,8 +65,8 @@ class ReplayDataset:
             table=table,
             dtypes={k: spec.dtype for k, spec in signature.items()},
             shapes={k: spec.shape for k, spec in signature.items()},
-            # A few batches in flight keeps the pipe full without skewing sampling much.
-            max_in_flight_samples_per_worker=2 * batch_size,
+            # Two batches in flight keep the pipe full without skewing sampling much.
+            max_in_flight_samples_per_worker=max_in_flight_samples or 2 * batch_size,
             num_workers_per_iterator=num_workers,
             rate_limiter_timeout_ms=rate_limiter_timeout_ms)
         dataset = dataset.batch(batch_size, drop_remainder=True)

@@ -26,7 +26,10 @@ def parse_address(address: str) -> Tuple[str, int]:
 
 
 def wait_for_server(address: str, timeout_s: float = 30.0) -> reverb.Client:
-    """A client of the Reverb server at address, once it answers; TimeoutError if none within timeout_s."""
+    """A client of the Reverb server at address, once it answers; TimeoutError if none within timeout_s.
+
+    Reverb's deadlines are whole seconds, so a dead address fails after at most timeout_s + 1 s.
+    """
     parse_address(address)
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be > 0, got timeout_s={timeout_s!r}")

@@ -20,6 +20,8 @@ from actorq_jax.quantization import QuantConfig, from_wire, quantize, to_wire, w
 from actorq_jax.replay.server import parse_address
 
 _LOG = logging.getLogger(__name__)
+# Before the first weights arrive, update() asks the server at most this often.
+_FIRST_POLL_S = 0.1
 
 
 class PublishStats(NamedTuple):
@@ -92,7 +94,7 @@ class VariablePublisher:
 class VariableClient:
     """An actor's view of the latest published policy, refreshed in a background thread.
 
-    Call `update()` once per env step: every `update_period` steps (and on every call
+    Call `update()` once per env step: every `update_period` steps (and every 0.1 s
     until the first weights arrive) it asks the background thread for a refresh and
     returns at once; `update(wait=True)` refreshes now and blocks. A refresh pulls the
     item from Reverb, decodes it with `from_wire(arrays, like)` and passes the result
@@ -108,7 +110,7 @@ class VariableClient:
 
     def __init__(self, address: str, table: str = "variables", update_period: int = 1000,
                  like: Any = None, load_fn: Optional[Callable[[Any], Any]] = None,
-                 raise_errors: bool = True, rpc_timeout_s: float = 10.0):
+                 raise_errors: bool = True, rpc_timeout_s: float = 2.0):
         parse_address(address)
         if isinstance(update_period, bool) or not isinstance(update_period, int) or update_period < 1:
             raise ValueError(f"update_period must be an int >= 1, got update_period={update_period!r}")
@@ -128,6 +130,7 @@ class VariableClient:
         self._error: Optional[BaseException] = None
         self._requested = 0
         self._completed = 0
+        self._next_poll = 0.0
         self._stopping = False
         self.steps = 0
         self.errors = 0
@@ -167,7 +170,14 @@ class VariableClient:
             return
         with self._cond:
             idle = self._completed == self._requested
-            due = self.steps % self.update_period == 0 or self._params is None
+            if self._params is None:
+                # Poll for the first weights, but not at every env step.
+                now = time.monotonic()
+                due = now >= self._next_poll
+                if due and idle:
+                    self._next_poll = now + _FIRST_POLL_S
+            else:
+                due = self.steps % self.update_period == 0
             if due and idle:
                 self._request_locked()
 
@@ -201,12 +211,12 @@ class VariableClient:
                 f"{timeout_s:g} s" + (f" (last error: {cause})" if cause else "")) from cause
         return params
 
-    def stop(self, timeout_s: float = 5.0) -> None:
-        """Stops the background thread (a pull in progress is abandoned after timeout_s)."""
+    def stop(self, timeout_s: Optional[float] = None) -> None:
+        """Stops the background thread, waiting for a call in progress (default: rpc_timeout_s + 1 s)."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        self._thread.join(timeout=timeout_s)
+        self._thread.join(timeout=self._rpc_timeout + 1 if timeout_s is None else timeout_s)
 
     def __enter__(self) -> "VariableClient":
         return self
