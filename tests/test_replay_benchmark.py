@@ -1,0 +1,30 @@
+"""benchmarks/variables.py --quick runs end to end and reports the headline keys."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.timeout(240)
+def test_variables_benchmark_quick_runs(tmp_path):
+    out = tmp_path / "variables.json"
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "variables.py"), "--quick",
+                             "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=220)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "refresh ms" in result.stdout
+    report = json.loads(out.read_text())
+    assert report["benchmark"] == "variables"
+    assert [row["bits"] for row in report["rows"]] == [32, 16, 8, 4]
+    by_bits = {row["bits"]: row for row in report["rows"]}
+    # Payload sizes are exact properties of the wire format, not timings.
+    assert by_bits[8]["bytes_vs_32"] < 0.26 and by_bits[4]["bytes_vs_32"] < 0.13
+    assert set(report["headline"]) == {"refresh_speedup_8bit", "refresh_speedup_4bit",
+                                       "adder_transitions_per_s", "learner_batches_per_s"}
+    assert all(value > 0 for value in report["headline"].values())
