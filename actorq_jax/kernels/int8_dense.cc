@@ -69,9 +69,12 @@ bool PathSupported(int64_t path) {
 }
 
 // ---------------------------------------------------------------------------
-// Thread pool. Every job waits until each worker has finished with it, so a
-// worker can never run a stale job's function; workers notice a job by its
-// generation number, compared with the one they last saw (see Resize).
+// Thread pool. A job is a generation number plus tasks 0..n-1, claimed one at
+// a time with a compare-and-swap on a ticket holding (generation, next task),
+// so a worker can only ever run a task of the job it read the function of.
+// The caller waits for its tasks to be done, not for every worker to show up:
+// on a busy machine a descheduled worker costs nothing, the caller (and any
+// worker that is running) simply takes its share.
 class Pool {
  public:
   ~Pool() { Resize(0); }
@@ -89,7 +92,7 @@ class Pool {
     stop_.store(false);
     // The generation is read here, not in the new thread: a thread that starts
     // after the first Run() would otherwise take that job's generation as
-    // already seen and never join it, and Run() would wait for it forever.
+    // already seen and never help with it.
     const uint64_t start_generation = generation_.load();
     for (int i = 0; i < workers; ++i)
       threads_.emplace_back([this, start_generation] { WorkerLoop(start_generation); });
@@ -101,34 +104,49 @@ class Pool {
       for (int64_t i = 0; i < ntasks; ++i) fn(i);
       return;
     }
+    uint64_t gen;
     {
       std::lock_guard<std::mutex> lock(mu_);
+      gen = generation_.load() + 1;
       fn_ = &fn;
       ntasks_ = ntasks;
-      next_.store(0);
-      pending_.store(static_cast<int>(threads_.size()));
-      generation_.fetch_add(1);
+      done_.store(0);
+      ticket_.store((gen & 0xffffffffu) << 32);
+      generation_.store(gen);
     }
     work_cv_.notify_all();
-    Drain(fn, ntasks);
-    // Layers run back to back, so the workers usually finish within
-    // microseconds: spin briefly before sleeping.
-    for (int spin = 0; spin < kSpin && pending_.load() != 0; ++spin) _mm_pause();
+    Drain(gen, fn, ntasks);
+    // Layers run back to back and tasks are short: spin briefly before sleeping.
+    for (int spin = 0; spin < kSpin && done_.load() != ntasks; ++spin) _mm_pause();
     std::unique_lock<std::mutex> lock(mu_);
-    done_cv_.wait(lock, [this] { return pending_.load() == 0; });
-    fn_ = nullptr;
+    done_cv_.wait(lock, [&] { return done_.load() == ntasks; });
   }
 
  private:
-  static constexpr int kSpin = 4000;  // about 50-100 us of _mm_pause
+  static constexpr int kSpin = 4000;  // roughly 50-100 us of _mm_pause
 
-  void Drain(const std::function<void(int64_t)>& fn, int64_t ntasks) {
-    for (int64_t i = next_.fetch_add(1); i < ntasks; i = next_.fetch_add(1)) fn(i);
+  // Claims and runs tasks of generation `gen` until none are left (or a newer job replaced it).
+  void Drain(uint64_t gen, const std::function<void(int64_t)>& fn, int64_t ntasks) {
+    const uint64_t tag = (gen & 0xffffffffu) << 32;
+    uint64_t t = ticket_.load();
+    for (;;) {
+      if ((t & ~uint64_t{0xffffffffu}) != tag) return;
+      const int64_t i = static_cast<int64_t>(t & 0xffffffffu);
+      if (i >= ntasks) return;
+      if (!ticket_.compare_exchange_weak(t, t + 1)) continue;  // t was reloaded
+      fn(i);
+      if (done_.fetch_add(1) + 1 == ntasks) {
+        // Under the lock, so Run() cannot test done_ and then miss this notify.
+        std::lock_guard<std::mutex> lock(mu_);
+        done_cv_.notify_one();
+      }
+      t = ticket_.load();
+    }
   }
 
   void WorkerLoop(uint64_t seen) {
     for (;;) {
-      // A next job (the next layer) often follows at once: spin before sleeping.
+      // The next layer's job often follows at once: spin before sleeping.
       for (int spin = 0; spin < kSpin && generation_.load() == seen && !stop_.load(); ++spin)
         _mm_pause();
       const std::function<void(int64_t)>* fn;
@@ -141,12 +159,10 @@ class Pool {
         fn = fn_;
         ntasks = ntasks_;
       }
-      Drain(*fn, ntasks);
-      {
-        // Under the lock, so Run() cannot check pending_ and then miss this notify.
-        std::lock_guard<std::mutex> lock(mu_);
-        if (pending_.fetch_sub(1) == 1) done_cv_.notify_one();
-      }
+      // fn may already be gone if the caller finished without us; Drain only
+      // calls it after claiming a task of generation `seen`, which keeps the
+      // caller waiting until that task is done.
+      Drain(seen, *fn, ntasks);
     }
   }
 
@@ -157,8 +173,8 @@ class Pool {
   std::atomic<bool> stop_{false};
   const std::function<void(int64_t)>* fn_ = nullptr;  // guarded by mu_
   int64_t ntasks_ = 0;                                // guarded by mu_
-  std::atomic<int64_t> next_{0};
-  std::atomic<int> pending_{0};
+  std::atomic<uint64_t> ticket_{0};  // (generation & 0xffffffff) << 32 | next task
+  std::atomic<int64_t> done_{0};
 };
 
 std::mutex g_pool_mu;  // serialises calls that use the pool, and resizing
@@ -183,7 +199,8 @@ void ForPanels(int64_t P, int64_t macs, const std::function<void(int64_t, int64_
   std::lock_guard<std::mutex> lock(g_pool_mu);
   Pool& pool = GlobalPool();
   if (pool.Workers() != threads - 1) pool.Resize(threads - 1);
-  const int64_t ntasks = std::min<int64_t>(threads, P);
+  // More tasks than threads: whoever is running takes the next chunk.
+  const int64_t ntasks = std::min<int64_t>(4 * threads, P);
   pool.Run(ntasks, [&](int64_t t) {
     const int64_t p0 = P * t / ntasks, p1 = P * (t + 1) / ntasks;
     if (p1 > p0) body(p0, p1);
