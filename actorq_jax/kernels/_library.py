@@ -67,7 +67,7 @@ def _load() -> _State:
 
         jffi.register_ffi_target(TARGET_W8A32, jffi.pycapsule(lib.ActorqInt8DenseW8A32), platform="cpu")
         jffi.register_ffi_target(TARGET_W8A8, jffi.pycapsule(lib.ActorqInt8DenseW8A8), platform="cpu")
-    except (OSError, AttributeError) as exc:
+    except (OSError, AttributeError, RuntimeError, TypeError, ValueError) as exc:
         state.reason = f"cannot load {path}: {exc}"
         return state
     from actorq_jax.kernels.build import SOURCE

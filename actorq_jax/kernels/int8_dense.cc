@@ -12,9 +12,15 @@
 // Instruction-set paths (chosen per call, never by compile flags, so the
 // library loads on any x86-64 CPU): portable scalar C++, AVX2+FMA, and
 // AVX-512 (F+BW, plus VNNI for W8A8). Every SIMD function carries its own
-// target attribute.
+// target attribute. Elsewhere (or with -DACTORQ_PORTABLE_ONLY) only the scalar
+// path is compiled.
 
+#if (defined(__x86_64__) || defined(__i386__)) && !defined(ACTORQ_PORTABLE_ONLY)
+#define ACTORQ_X86 1
 #include <immintrin.h>
+#else
+#define ACTORQ_X86 0
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -38,6 +44,7 @@ constexpr int64_t kPanel = 16;
 
 enum Path : int64_t { kAuto = 0, kScalar = 1, kAvx2 = 2, kAvx512 = 3 };
 
+#if ACTORQ_X86
 bool CpuHasAvx2() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
@@ -48,6 +55,13 @@ bool CpuHasAvx512() {
   return CpuHasAvx2() && __builtin_cpu_supports("avx512f") &&
          __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
 }
+
+inline void CpuRelax() { CpuRelax(); }
+#else
+bool CpuHasAvx2() { return false; }
+bool CpuHasAvx512() { return false; }
+inline void CpuRelax() {}
+#endif
 
 int64_t BestPath() {
   static const int64_t best = CpuHasAvx512() ? kAvx512 : (CpuHasAvx2() ? kAvx2 : kScalar);
@@ -117,13 +131,13 @@ class Pool {
     work_cv_.notify_all();
     Drain(gen, fn, ntasks);
     // Layers run back to back and tasks are short: spin briefly before sleeping.
-    for (int spin = 0; spin < kSpin && done_.load() != ntasks; ++spin) _mm_pause();
+    for (int spin = 0; spin < kSpin && done_.load() != ntasks; ++spin) CpuRelax();
     std::unique_lock<std::mutex> lock(mu_);
     done_cv_.wait(lock, [&] { return done_.load() == ntasks; });
   }
 
  private:
-  static constexpr int kSpin = 4000;  // roughly 50-100 us of _mm_pause
+  static constexpr int kSpin = 4000;  // roughly 50-100 us of pause instructions
 
   // Claims and runs tasks of generation `gen` until none are left (or a newer job replaced it).
   void Drain(uint64_t gen, const std::function<void(int64_t)>& fn, int64_t ntasks) {
@@ -148,7 +162,7 @@ class Pool {
     for (;;) {
       // The next layer's job often follows at once: spin before sleeping.
       for (int spin = 0; spin < kSpin && generation_.load() == seen && !stop_.load(); ++spin)
-        _mm_pause();
+        CpuRelax();
       const std::function<void(int64_t)>* fn;
       int64_t ntasks;
       {
@@ -302,6 +316,7 @@ void W8A32Scalar(const Geometry& g, const float* x, const int8_t* w, const float
   }
 }
 
+#if ACTORQ_X86
 // W8A32, AVX2 + FMA: R rows x 16 columns per tile; U independent accumulator
 // sets over k hide the FMA latency when R is small.
 template <int R, int U>
@@ -445,6 +460,8 @@ __attribute__((target("avx512f,avx512bw,avx2,fma"))) void W8A32Avx512(
   }
 }
 
+#endif  // ACTORQ_X86
+
 // ---------------------------------------------------------------------------
 // W8A8 activation quantization, shared by every path so that all of them
 // (and the jnp reference) see bit-identical int8 activations:
@@ -498,6 +515,7 @@ void W8A8Scalar(const Geometry& g, int64_t K4, const int8_t* q, const float* sx,
   }
 }
 
+#if ACTORQ_X86
 // W8A8, AVX2: maddubs(|w|, sign(x, w)) equals w * x pairwise and cannot
 // saturate (|w| <= 128, |x| <= 127: 2 * 128 * 127 < 32767), so weights of
 // -128 are handled too; madd with ones widens pairs to int32.
@@ -649,6 +667,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma"))) void W8A8Vnni(
   }
 }
 
+#endif  // ACTORQ_X86
+
 // ---------------------------------------------------------------------------
 // FFI entry points.
 
@@ -683,12 +703,11 @@ ffi::Error W8A32Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buffe
   float* yp = y->typed_data();
   const int64_t p = Resolve(path);
   ForPanels(g.P, g.M * g.K * g.N, [&](int64_t p0, int64_t p1) {
-    if (p == kAvx512)
-      W8A32Avx512(g, xp, wp, sp, bp, yp, p0, p1);
-    else if (p == kAvx2)
-      W8A32Avx2(g, xp, wp, sp, bp, yp, p0, p1);
-    else
-      W8A32Scalar(g, xp, wp, sp, bp, yp, p0, p1);
+#if ACTORQ_X86
+    if (p == kAvx512) return W8A32Avx512(g, xp, wp, sp, bp, yp, p0, p1);
+    if (p == kAvx2) return W8A32Avx2(g, xp, wp, sp, bp, yp, p0, p1);
+#endif
+    W8A32Scalar(g, xp, wp, sp, bp, yp, p0, p1);
   });
   return ffi::Error::Success();
 }
@@ -724,12 +743,12 @@ ffi::Error W8A8Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buffer
   const int8_t* qp = q.data();
   const float* sxp = sx.data();
   ForPanels(g.P, g.M * g.K * g.N, [&](int64_t p0, int64_t p1) {
+#if ACTORQ_X86
     if (p == kAvx512)
-      W8A8Vnni(g, K4, reinterpret_cast<const uint8_t*>(qp), sxp, wp, sp, bp, cp, yp, p0, p1);
-    else if (p == kAvx2)
-      W8A8Avx2(g, K4, qp, sxp, wp, sp, bp, yp, p0, p1);
-    else
-      W8A8Scalar(g, K4, qp, sxp, wp, sp, bp, yp, p0, p1);
+      return W8A8Vnni(g, K4, reinterpret_cast<const uint8_t*>(qp), sxp, wp, sp, bp, cp, yp, p0, p1);
+    if (p == kAvx2) return W8A8Avx2(g, K4, qp, sxp, wp, sp, bp, yp, p0, p1);
+#endif
+    W8A8Scalar(g, K4, qp, sxp, wp, sp, bp, yp, p0, p1);
   });
   return ffi::Error::Success();
 }
