@@ -5,22 +5,15 @@
 Prints the results directory; see --help for every flag.
 """
 
-import json
 import sys
 
 from actorq_jax.agents.dqn.config import DQNConfig
-from actorq_jax.launch.flags import parse_run
+from actorq_jax.launch.launcher import run_experiment
 
 
 def main(argv=None) -> int:
     """Parses flags, launches the run, prints where its results are."""
-    run, config = parse_run("dqn", DQNConfig, argv, description=__doc__.splitlines()[0])
-    from actorq_jax.launch.launcher import launch
-
-    summary = launch(run, config)
-    print(json.dumps({k: v for k, v in summary.items() if k != "events"}, indent=2))
-    print(f"results: {run.results_dir}")
-    return int(summary["exit_code"])
+    return run_experiment("dqn", DQNConfig, argv, description=__doc__.splitlines()[0])
 
 
 if __name__ == "__main__":
