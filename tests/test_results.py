@@ -1,0 +1,370 @@
+"""Results tooling: analysis helpers (exact, on synthetic frames), sweep.py, plot.py, ptq_sweep.py and the notebook."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from actorq_jax import analysis
+
+REPO = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+# A tiny D4PG config: small networks and budgets so one run takes about a minute on a busy 2-core machine.
+TINY_RUN_FLAGS = [
+    "--task", "cartpole_balance", "--num_actors", "1", "--policy_layers", "32,32", "--critic_layers", "64,64",
+    "--batch_size", "32", "--min_replay_size", "200", "--samples_per_insert", "8", "--eval_period", "100",
+    "--max_env_steps", "1200", "--max_seconds", "150",
+]
+
+
+def _run(args, timeout, env=None):
+    return subprocess.run([PYTHON, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+# -- synthetic results directories ------------------------------------------------------------------------------
+
+
+def _write_run(root: Path, bits: int, seed: int, evals, energy_kwh=0.01, wall_seconds=200.0,
+               actor_rows=(), task="cartpole_balance", summary=True) -> Path:
+    """A run directory shaped like the launcher's, with the given eval rows (wall, env_steps, learner_steps, return)."""
+    run_dir = root / f"d4pg_{task}_q{bits}_s{seed}"
+    (run_dir / "actors").mkdir(parents=True)
+    config = {"run": {"agent": "d4pg", "task": task, "seed": seed, "actor_bits": bits, "comm_bits": None,
+                      "num_actors": 1, "granularity": "per_channel", "actor_backend": "auto"},
+              "agent": {"policy_layers": [8]}}
+    (run_dir / "config.json").write_text(json.dumps(config))
+    rows = []
+    for wall, steps, lsteps, ret in evals:
+        for policy, pbits in (("fp32", 32), ("actor", bits)):
+            rows.append({"wall_seconds": wall, "env_steps": steps, "learner_steps": lsteps, "policy": policy,
+                         "bits": pbits, "episode": 0, "return": ret, "final": 0})
+    pd.DataFrame(rows).to_csv(run_dir / "eval.csv", index=False)
+    if actor_rows:
+        pd.DataFrame(actor_rows).to_csv(run_dir / "actors" / "actor_0.csv", index=False)
+    if summary:
+        final = evals[-1][3] if evals else None
+        (run_dir / "summary.json").write_text(json.dumps({
+            "env_steps": evals[-1][1] if evals else 0, "learner_steps": 0, "wall_seconds": wall_seconds,
+            "env_steps_per_second": 10.0, "energy_kwh": energy_kwh, "emissions_kg": 0.001, "exit_code": 0,
+            "final_eval_return": final, "best_eval_return": final, "final_eval_return_actor_policy": final,
+            "best_eval_return_actor_policy": final, "actor_episodes": len(actor_rows),
+            "actor_time_s": {"env_step": 1.0, "inference": 0.5, "adder": 2.0, "pull": 0.1, "deserialize": 0.1,
+                             "load": 0.1},
+        }))
+    return run_dir
+
+
+def _actor_row(episode, length, env_step_s, inference_s, adder_s=0.0, pull_s=0.0, deserialize_s=0.0, load_s=0.0):
+    return {"actor_id": 0, "episode": episode, "env_steps": episode * length, "episode_return": 1.0,
+            "episode_length": length, "wall_seconds": float(episode), "params_version": 0, "env_step_s": env_step_s,
+            "inference_s": inference_s, "adder_s": adder_s, "pull_s": pull_s, "deserialize_s": deserialize_s,
+            "load_s": load_s}
+
+
+@pytest.fixture
+def synthetic_sweep(tmp_path):
+    """Two bit-widths x two seeds with known crossing times; one q8 seed never reaches 900."""
+    root = tmp_path / "synthetic"
+    # (wall_seconds, env_steps, learner_steps, return). The untrained policy scores 995 at learner step 0,
+    # which must count neither for the target nor for reaching it.
+    _write_run(root, 32, 0, [(10, 0, 0, 995.0), (50, 500, 100, 300.0), (100, 1000, 200, 950.0), (150, 1500, 300, 1000.0)],
+               energy_kwh=0.010, wall_seconds=200.0, actor_rows=[_actor_row(1, 1000, 1.0, 2.0, adder_s=4.0)])
+    _write_run(root, 32, 1, [(10, 0, 0, 0.0), (70, 700, 100, 800.0), (140, 1400, 200, 901.0), (180, 1800, 300, 500.0)],
+               energy_kwh=0.010, wall_seconds=200.0, actor_rows=[_actor_row(1, 500, 1.0, 1.0)])
+    _write_run(root, 8, 0, [(10, 0, 0, 0.0), (60, 800, 100, 905.0), (120, 1600, 200, 990.0)],
+               energy_kwh=0.008, wall_seconds=200.0,
+               actor_rows=[_actor_row(1, 1000, 1.0, 0.5), _actor_row(2, 1000, 1.0, 0.5, pull_s=2.0)])
+    _write_run(root, 8, 1, [(10, 0, 0, 0.0), (60, 800, 100, 100.0), (120, 1600, 200, 899.0)],
+               energy_kwh=0.008, wall_seconds=200.0)
+    return root
+
+
+# -- unit tests of the aggregation helpers ----------------------------------------------------------------------
+
+
+def test_first_reach_is_the_first_crossing_not_the_best():
+    assert analysis.first_reach([1, 2, 3, 4], [0.0, 5.0, 3.0, 9.0], 5.0) == 2.0
+    assert analysis.first_reach([3, 4], [5.0, 5.0], 5.0) == 3.0  # reaching counts (>=)
+    assert math.isnan(analysis.first_reach([1, 2, 3], [0.0, 4.9, 1.0], 5.0))
+    with pytest.raises(ValueError, match="differ in length"):
+        analysis.first_reach([1, 2], [1.0], 0.0)
+
+
+def test_target_returns_positive_negative_and_explicit():
+    points = pd.DataFrame({"task": ["a", "a", "b", "b"], "return": [500.0, 1000.0, -300.0, -100.0]})
+    targets = analysis.target_returns(points, 0.9)
+    assert targets["a"] == pytest.approx(900.0)
+    assert targets["b"] == pytest.approx(-110.0)  # below the best, so reachable
+    assert analysis.target_returns(points, 0.9, target=42.0).to_dict() == {"a": 42.0, "b": 42.0}
+    with pytest.raises(ValueError, match="1.5"):
+        analysis.target_returns(points, 1.5)
+
+
+def test_eval_points_average_episodes_per_evaluation():
+    evals = pd.DataFrame({
+        "run": "r", "task": "t", "bits": 8, "seed": 0, "policy": ["fp32", "fp32", "actor", "fp32"],
+        "learner_steps": [10, 10, 10, 20], "final": 0, "wall_seconds": [1.0, 2.0, 3.0, 4.0],
+        "env_steps": [100, 100, 100, 200], "return": [1.0, 3.0, 50.0, 7.0], "episode": [0, 1, 0, 0],
+    })
+    points = analysis.eval_points(evals, "fp32")
+    assert points["return"].tolist() == [2.0, 7.0]
+    assert points["wall_seconds"].tolist() == [2.0, 4.0]  # an evaluation is known when its last episode ends
+    assert points["episodes"].tolist() == [2, 1]
+    assert analysis.eval_points(evals, "actor")["return"].tolist() == [50.0]
+    with pytest.raises(ValueError, match="'greedy'"):
+        analysis.eval_points(evals, "greedy")
+
+
+def test_results_table_time_to_target_speedup_and_energy(synthetic_sweep):
+    sweep = analysis.load_sweep(synthetic_sweep)
+    table = analysis.results_table(sweep.runs, sweep.evals, target_fraction=0.9).set_index("bits")
+    # Best trained return is 1000 (the untrained 995 is ignored), so the target is 900.
+    assert table.loc[32, "target"] == pytest.approx(900.0)
+    assert table.loc[32, "reached"] == 2 and table.loc[8, "reached"] == 1
+    assert table.loc[32, "time_to_target_s"] == pytest.approx((100 + 140) / 2)
+    assert table.loc[8, "time_to_target_s"] == pytest.approx(60.0)
+    assert table.loc[32, "speedup"] == pytest.approx(1.0)
+    assert table.loc[8, "speedup"] == pytest.approx(120.0 / 60.0)
+    assert table.loc[8, "env_steps_to_target"] == pytest.approx(800.0)
+    # Energy to target: run energy x share of wall time before the target.
+    e32 = (10.0 * 100 / 200 + 10.0 * 140 / 200) / 2  # Wh
+    e8 = 8.0 * 60 / 200
+    assert table.loc[32, "energy_to_target_wh"] == pytest.approx(e32)
+    assert table.loc[8, "energy_to_target_wh"] == pytest.approx(e8)
+    assert table.loc[8, "energy_ratio"] == pytest.approx(e32 / e8)
+    assert table.loc[8, "final_return"] == pytest.approx((990.0 + 899.0) / 2)
+    assert table.loc[8, "final_return_std"] == pytest.approx(np.std([990.0, 899.0], ddof=1))
+    # Without a q32 baseline there is nothing to compare with.
+    only8 = sweep.select(bits=8)
+    assert math.isnan(analysis.results_table(only8.runs, only8.evals)["speedup"].iloc[0])
+
+
+def test_results_table_explicit_target_nobody_reaches(synthetic_sweep):
+    sweep = analysis.load_sweep(synthetic_sweep)
+    table = analysis.results_table(sweep.runs, sweep.evals, target=5000.0)
+    assert table["reached"].tolist() == [0, 0]
+    assert table["time_to_target_s"].isna().all() and table["speedup"].isna().all()
+
+
+def test_curve_band_mean_range_and_seed_count():
+    points = pd.DataFrame({
+        "run": ["a", "a", "b", "b"], "task": "t", "bits": 8, "seed": [0, 0, 1, 1],
+        "wall_seconds": [0.0, 10.0, 0.0, 5.0], "env_steps": [0, 100, 0, 50], "return": [0.0, 100.0, 20.0, 70.0],
+    })
+    band = analysis.curve_band(points, "wall_seconds", num=11)  # grid 0, 1, ..., 10
+    at = band.set_index("wall_seconds")
+    assert at.loc[0.0, "mean"] == pytest.approx(10.0) and at.loc[0.0, "n"] == 2
+    assert at.loc[5.0, ["min", "max"]].tolist() == pytest.approx([50.0, 70.0])
+    assert at.loc[5.0, "std"] == pytest.approx(np.std([50.0, 70.0], ddof=1))
+    # Run b ended at 5 s: later grid points average run a alone, with no spread.
+    assert at.loc[8.0, "mean"] == pytest.approx(80.0) and at.loc[8.0, "n"] == 1 and at.loc[8.0, "std"] == 0.0
+    with pytest.raises(ValueError, match="'time'"):
+        analysis.curve_band(points, "time")
+
+
+def test_actor_time_breakdown_ms_per_step(synthetic_sweep):
+    sweep = analysis.load_sweep(synthetic_sweep)
+    breakdown = analysis.actor_time_breakdown(sweep.actors).set_index("bits")
+    # q8 has one run with actor rows: 2000 steps, env_step 2 s, inference 1 s, pull 2 s.
+    assert breakdown.loc[8, "env_step_ms"] == pytest.approx(1.0)
+    assert breakdown.loc[8, "inference_ms"] == pytest.approx(0.5)
+    assert breakdown.loc[8, "pull_ms"] == pytest.approx(1.0)
+    assert breakdown.loc[8, "runs"] == 1 and breakdown.loc[8, "actor_steps"] == 2000
+    # q32 averages its two runs per step: inference 2/1000 and 1/500 s per step -> 2 ms; adder (4 + 0) / 2 ms.
+    assert breakdown.loc[32, "inference_ms"] == pytest.approx(2.0)
+    assert breakdown.loc[32, "adder_ms"] == pytest.approx(2.0)
+    assert breakdown.loc[32, "total_ms"] == pytest.approx(1.5 + 2.0 + 2.0)
+
+
+def test_load_sweep_reads_runs_and_slices(synthetic_sweep, tmp_path):
+    _write_run(synthetic_sweep, 16, 0, [(10, 0, 0, 1.0)], summary=False)  # a run still going: no summary.json
+    sweep = analysis.load_sweep(synthetic_sweep)
+    assert sweep.runs["bits"].tolist() == [32, 32, 16, 8, 8]
+    assert sweep.runs.loc[sweep.runs["bits"] == 16, "complete"].tolist() == [False]
+    assert math.isnan(sweep.runs.loc[sweep.runs["bits"] == 16, "energy_kwh"].iloc[0])
+    assert set(sweep.evals["policy_bits"]) == {32, 16, 8}
+    view = sweep.select(bits=[32, 8], seed=0)
+    assert sorted(view.runs["bits"]) == [8, 32] and set(view.evals["seed"]) == {0} and set(view.actors["bits"]) <= {8, 32}
+    with pytest.raises(FileNotFoundError, match="no runs"):
+        analysis.load_sweep(tmp_path / "synthetic" / "d4pg_cartpole_balance_q8_s0" / "actors")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        analysis.load_sweep(tmp_path / "missing")
+
+
+def test_markdown_table_and_report_on_synthetic_sweep(synthetic_sweep, tmp_path):
+    sweep = analysis.load_sweep(synthetic_sweep)
+    table = analysis.results_table(sweep.runs, sweep.evals)
+    text = analysis.to_markdown(analysis.display_table(table))
+    lines = text.splitlines()
+    assert len(lines) == 2 + 2 and lines[0].startswith("| task")
+    assert "| q=8 " in lines[3] and "2.00x" in lines[3] and "1/2" in lines[3]
+    written = analysis.write_report(sweep, tmp_path / "report")
+    for name in ("return_vs_wall_time", "return_vs_env_steps", "actor_time_breakdown"):
+        assert written[name].read_bytes()[:8] == PNG_MAGIC
+    assert "## cartpole_balance" in written["results_md"].read_text()
+
+
+def test_analysis_imports_without_jax():
+    code = "import sys, actorq_jax.analysis; assert 'jax' not in sys.modules, 'analysis imported jax'"
+    assert _run(["-c", code], timeout=120).returncode == 0
+
+
+# -- command-line checks that start no run ----------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("flags, named", [
+    (["--bits", "32,12"], "--bits"),
+    (["--bits", "32,x"], "--bits"),
+    (["--seeds", "0,-1"], "--seeds"),
+    (["--seeds", "0,0"], "--seeds"),
+    (["--seed", "3"], "--seed"),
+    (["--num_actors", "0"], "--num_actors"),
+])
+def test_sweep_bad_flags_exit_2_naming_the_flag(tmp_path, flags, named):
+    result = _run(["experiments/sweep.py", "--agent", "d4pg", "--results_dir", str(tmp_path / "s"), *flags], 60)
+    assert result.returncode == 2, result.stderr
+    assert named in result.stderr
+    assert not (tmp_path / "s").exists()  # nothing started
+
+
+@pytest.mark.timeout(120)
+def test_sweep_records_a_failed_run_and_goes_on(tmp_path):
+    # A stand-in run script: fails for q=16, succeeds otherwise, and records the flags it got.
+    script = tmp_path / "fake_run.py"
+    script.write_text(
+        "import json, sys, pathlib\n"
+        "args = sys.argv[1:]\n"
+        "d = pathlib.Path(args[args.index('--results_dir') + 1]); d.mkdir(parents=True)\n"
+        "(d / 'args.json').write_text(json.dumps(args))\n"
+        "sys.exit(3 if args[args.index('--actor_bits') + 1] == '16' else 0)\n"
+    )
+    sweep_dir = tmp_path / "s"
+    result = _run(["experiments/sweep.py", "--agent", "d4pg", "--bits", "32,16,8", "--seeds", "0,1",
+                   "--results_dir", str(sweep_dir), "--run_script", str(script), "--max_seconds", "7",
+                   "--task", "cartpole_balance"], 90)
+    assert result.returncode == 1, result.stderr
+    index = json.loads((sweep_dir / "sweep.json").read_text())
+    runs = index["runs"]
+    assert [(r["seed"], r["bits"]) for r in runs] == [(0, 32), (0, 16), (0, 8), (1, 32), (1, 16), (1, 8)]
+    assert [r["exit_code"] for r in runs] == [0, 3, 0, 0, 3, 0]
+    assert [r["status"] for r in runs] == ["ok", "failed", "ok", "ok", "failed", "ok"]
+    assert index["passthrough"] == ["--max_seconds", "7", "--task", "cartpole_balance"]
+    args = json.loads((sweep_dir / "d4pg_cartpole_balance_q8_s1" / "args.json").read_text())
+    assert args[:4] == ["--max_seconds", "7", "--task", "cartpole_balance"]  # passed through unchanged
+    assert args[args.index("--actor_bits") + 1] == "8" and args[args.index("--seed") + 1] == "1"
+    assert "4/6 runs ok" in result.stdout
+
+
+# -- end to end on a tiny real sweep ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_sweep(tmp_path_factory):
+    """A real two-run sweep (q=32 and q=8, seed 0, tiny budgets), run once for the tests below."""
+    sweep_dir = tmp_path_factory.mktemp("results") / "sweep"
+    result = _run(["experiments/sweep.py", "--agent", "d4pg", "--bits", "32,8", "--seeds", "0",
+                   "--results_dir", str(sweep_dir), *TINY_RUN_FLAGS], timeout=540)
+    return sweep_dir, result
+
+
+SWEEP_TIMEOUT = 600
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(SWEEP_TIMEOUT)
+def test_sweep_produces_runs_and_index(tiny_sweep):
+    sweep_dir, result = tiny_sweep
+    assert result.returncode == 0, result.stdout + result.stderr
+    index = json.loads((sweep_dir / "sweep.json").read_text())
+    assert index["agent"] == "d4pg" and index["task"] == "cartpole_balance"
+    assert index["bits"] == [32, 8] and index["seeds"] == [0]
+    assert "experiments/sweep.py" in index["command"] and index["finished"]
+    assert [(r["bits"], r["seed"], r["exit_code"], r["status"]) for r in index["runs"]] == [(32, 0, 0, "ok"), (8, 0, 0, "ok")]
+    for entry in index["runs"]:
+        run_dir = sweep_dir / entry["dir"]
+        assert entry["dir"] == f"d4pg_cartpole_balance_q{entry['bits']}_s0"
+        for name in ("config.json", "summary.json", "eval.csv", "learner.csv", "actors/actor_0.csv"):
+            assert (run_dir / name).is_file(), f"{run_dir}/{name} missing"
+        assert any((run_dir / "checkpoints").iterdir())
+        config = json.loads((run_dir / "config.json").read_text())
+        assert config["run"]["actor_bits"] == entry["bits"] and config["run"]["seed"] == 0
+        assert config["run"]["results_dir"] == str(run_dir)
+        # Pass-through flags reached the run unchanged.
+        assert config["agent"]["policy_layers"] == [32, 32] and config["agent"]["min_replay_size"] == 200
+        assert config["run"]["max_env_steps"] == 1200 and config["run"]["num_actors"] == 1
+        assert (sweep_dir / entry["log"]).is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(SWEEP_TIMEOUT)
+def test_plot_writes_pngs_and_table(tiny_sweep, tmp_path):
+    sweep_dir, _ = tiny_sweep
+    out = tmp_path / "plots"
+    result = _run(["experiments/plot.py", str(sweep_dir), "--out", str(out)], timeout=240)
+    assert result.returncode == 0, result.stderr
+    for name in ("return_vs_wall_time.png", "return_vs_env_steps.png", "actor_time_breakdown.png"):
+        data = (out / name).read_bytes()
+        assert data[:8] == PNG_MAGIC and len(data) > 10_000, name
+    table = pd.read_csv(out / "results.csv")
+    assert table["bits"].tolist() == [32, 8] and table["task"].unique().tolist() == ["cartpole_balance"]
+    assert table["reached"].sum() >= 1  # the target is a fraction of the best return some run reached
+    assert np.isfinite(table["final_return"]).all()
+    markdown = (out / "results.md").read_text()
+    assert "## cartpole_balance" in markdown and "| q=32" in markdown and "| q=8" in markdown
+    assert "| q=8" in result.stdout and "time to target (s)" in result.stdout  # the printed table
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(SWEEP_TIMEOUT)
+def test_notebook_executes_on_the_sweep(tiny_sweep, monkeypatch):
+    import nbclient
+    import nbformat
+
+    sweep_dir, _ = tiny_sweep
+    monkeypatch.setenv("ACTORQ_SWEEP_DIR", str(sweep_dir))  # the kernel inherits the environment
+    notebook = nbformat.read(REPO / "notebooks" / "results.ipynb", as_version=4)
+    assert notebook.metadata["kernelspec"]["name"] == "python3"
+    client = nbclient.NotebookClient(notebook, kernel_name="python3", timeout=240,
+                                     resources={"metadata": {"path": str(REPO / "notebooks")}})
+    client.execute()  # raises CellExecutionError on any failing cell
+    outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs]
+    text = "".join(o.get("text", "") for o in outputs)
+    assert f"2 runs in {sweep_dir}" in text
+    assert sum("image/png" in o.get("data", {}) for o in outputs) >= 3  # wall time, env steps, actor time
+    assert any("time to target" in o.get("data", {}).get("text/markdown", "") for o in outputs)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(SWEEP_TIMEOUT)
+def test_ptq_sweep_writes_one_row_per_bits(tiny_sweep, tmp_path):
+    sweep_dir, _ = tiny_sweep
+    out = tmp_path / "ptq.csv"
+    result = _run(["experiments/ptq_sweep.py", "--checkpoint", str(sweep_dir / "d4pg_cartpole_balance_q32_s0"),
+                   "--bits", "32,8,4", "--episodes", "1", "--out", str(out)], timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    ptq = pd.read_csv(out)
+    assert ptq["bits"].tolist() == [4, 8, 32] and ptq["granularity"].unique().tolist() == ["per_channel"]
+    assert np.isfinite(ptq[["mean_return", "std_return", "min_return", "max_return"]].to_numpy()).all()
+    assert (ptq["episodes"] == 1).all() and (ptq["min_return"] <= ptq["max_return"]).all()
+    err = ptq.set_index("bits")["weight_rel_error"]
+    assert err[32] == 0.0 and 0.0 < err[8] < err[4]  # fewer bits, coarser weights
+    assert ptq.set_index("bits").loc[32, "quantized_fraction"] == 0.0
+    assert out.with_suffix(".png").read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.timeout(120)
+def test_ptq_sweep_bad_flags_exit_2(tmp_path):
+    result = _run(["experiments/ptq_sweep.py", "--checkpoint", str(tmp_path), "--bits", "32"], 60)
+    assert result.returncode == 2 and "--checkpoint" in result.stderr
+    result = _run(["experiments/ptq_sweep.py", "--checkpoint", str(tmp_path), "--bits", "9"], 60)
+    assert result.returncode == 2 and "--bits" in result.stderr
