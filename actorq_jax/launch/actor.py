@@ -9,6 +9,7 @@ remote actor always runs the same experiment as the local ones.
 """
 
 import argparse
+import dataclasses
 import logging
 import sys
 import threading
@@ -42,7 +43,7 @@ def run_actor(
     import numpy as np
 
     from actorq_jax.environments import environment_spec, make_environment
-    from actorq_jax.launch.precision import ActorPrecision, make_param_loader
+    from actorq_jax.launch.precision import ActorPrecision, make_param_loader, resolve_backend
     from actorq_jax.quantization import QuantConfig, quantize
     from actorq_jax.replay import NStepAdder, VariableClient, wait_for_server
     from actorq_jax.telemetry import CsvLogger, PhaseTimer
@@ -59,6 +60,11 @@ def run_actor(
         return policy(params, jax.random.fold_in(key, step), observation)
 
     precision = ActorPrecision(run.actor_bits, run.wire_bits, run.granularity, run.actor_backend)
+    if resolve_backend(precision) == "int8":
+        from actorq_jax import kernels
+
+        kernels.set_num_threads(max(1, run.actor_threads))
+        log.info("%s", kernels.describe_kernel())
     like = quantize(builder.params_template(), QuantConfig(bits=run.wire_bits, granularity=run.granularity))
     client = wait_for_server(address, timeout_s=60.0)
     variables = VariableClient(
@@ -150,6 +156,7 @@ def main(argv: Optional[list] = None) -> int:
 
     try:
         run, agent_config = config_from_json(_fetch_config(args.server))
+        run = dataclasses.replace(run, actor_threads=args.threads)  # this machine's budget, not the learner's
     except TimeoutError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

@@ -21,7 +21,6 @@ def thread_env(threads: int) -> Dict[str, str]:
         "OMP_NUM_THREADS": str(threads),
         "TF_NUM_INTRAOP_THREADS": str(threads),
         "TF_NUM_INTEROP_THREADS": "1",
-        "ACTORQ_KERNEL_THREADS": str(threads),
     }
     if threads == 1:
         # XLA:CPU's Eigen pool otherwise starts one thread per core in every process.
