@@ -127,7 +127,10 @@ def _machine() -> dict:
         jax_version = jax.__version__
     except ImportError:
         jax_version = "unknown"
-    return {"cpu": cpu, "cores": os.cpu_count(), "jax": jax_version}
+    # The load average shows how busy the (shared) machine was: ratios are
+    # interleaved and robust to it, absolute microseconds are not.
+    load = [round(v, 2) for v in os.getloadavg()] if hasattr(os, "getloadavg") else None
+    return {"cpu": cpu, "cores": os.cpu_count(), "jax": jax_version, "loadavg_1_5_15": load}
 
 
 def main(argv: list | None = None) -> int:
@@ -141,11 +144,15 @@ def main(argv: list | None = None) -> int:
         print(json.dumps(worker(args.worker, args.quick)))
         return 0
 
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     rows = []
     for threads in THREADS:
         rows.extend(_run_worker(threads, args.quick))
+    machine = _machine()
     kernel = rows[0]["kernel"] if rows else "unknown"
     print(f"actor_inference: MLP {OBS_DIM}->Hx3->{ACTION_DIM} (tanh), median us per forward; {kernel}")
+    load_after = machine["loadavg_1_5_15"][0] if machine["loadavg_1_5_15"] else float("nan")
+    print(f"load average (1 min) before / after: {load_before:.2f} / {load_after:.2f} on {machine['cores']} cores")
     header = "| H | batch | threads | fp32 us | int8 w8a32 us | fp32/w8a32 | int8 w8a8 us | fp32/w8a8 |"
     print(header)
     print("|" + " --- |" * 8)
@@ -169,7 +176,7 @@ def main(argv: list | None = None) -> int:
     }
     print("headline (fp32 / int8 w8a32):", json.dumps(headline))
     if args.json:
-        result = {"benchmark": "actor_inference", "machine": _machine(), "rows": rows, "headline": headline}
+        result = {"benchmark": "actor_inference", "machine": machine, "rows": rows, "headline": headline}
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=2)
     return 0
