@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from actorq_jax.agents.d4pg import acting, learning
+from actorq_jax.agents.d4pg import learning
 from actorq_jax.agents.d4pg.builder import D4PGBuilder
 from actorq_jax.agents.d4pg.config import D4PGConfig
 from actorq_jax.environments import EnvironmentSpec

@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from actorq_jax.networks import CriticNetwork, PolicyNetwork, QNetwork, categorical_mean, parse_layer_sizes, value_atoms
+from actorq_jax.launch.config import parse_layer_sizes
+from actorq_jax.networks import CriticNetwork, PolicyNetwork, QNetwork, categorical_mean, value_atoms
 from actorq_jax.quantization import QuantConfig, dequantize, quantize
 
 LOW = (-1.0, -0.5, 0.0)

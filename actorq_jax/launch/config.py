@@ -80,6 +80,14 @@ def validate_run_fields(fields: Dict[str, Any]) -> list:
     return problems
 
 
+def parse_layer_sizes(text: str) -> Tuple[int, ...]:
+    """Parses a comma list such as '256,256,256' into layer sizes, raising ValueError when malformed."""
+    parts = [p.strip() for p in str(text).split(",")]
+    if not parts or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"malformed layer list {text!r}: expected positive integers like 256,256")
+    return tuple(int(p) for p in parts)
+
+
 def save_config(path: Path, run: RunConfig, agent_config: Any) -> None:
     """Writes config.json: the run config and the agent's config."""
     payload = {"run": dataclasses.asdict(run), "agent": dataclasses.asdict(agent_config)}

@@ -7,22 +7,28 @@ process starts, naming the flag.
 
 import argparse
 import dataclasses
-import json
 import typing
 from pathlib import Path
 from typing import Any, Optional, Sequence, Tuple
 
-from actorq_jax.launch.config import BACKENDS, GRANULARITIES, VALID_BITS, RunConfig, validate_run_fields
+from actorq_jax.launch.config import (
+    BACKENDS,
+    GRANULARITIES,
+    VALID_BITS,
+    RunConfig,
+    parse_layer_sizes,
+    validate_run_fields,
+)
 
 # Agent fields exposed as flags, with the flag's help. Layer lists are comma lists.
 _LAYER_FLAGS = {"d4pg": ("policy_layers", "critic_layers"), "dqn": ("q_layers",)}
 
 
 def _parse_layers(text: str) -> Tuple[int, ...]:
-    parts = [p.strip() for p in text.split(",")]
-    if not parts or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise argparse.ArgumentTypeError(f"malformed layer list {text!r}: expected positive integers like 256,256")
-    return tuple(int(p) for p in parts)
+    try:
+        return parse_layer_sizes(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def build_parser(agent: str, agent_config_cls: type, description: str) -> argparse.ArgumentParser:

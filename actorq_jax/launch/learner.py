@@ -1,6 +1,5 @@
 """The learner process: owns the Reverb server, trains, publishes variables, checkpoints."""
 
-import json
 import logging
 import socket
 import threading

@@ -7,7 +7,6 @@ from actorq_jax.networks.modules import (
     PolicyNetwork,
     QNetwork,
     categorical_mean,
-    parse_layer_sizes,
     value_atoms,
 )
 
@@ -20,5 +19,4 @@ __all__ = [
     "QNetwork",
     "value_atoms",
     "categorical_mean",
-    "parse_layer_sizes",
 ]

@@ -17,18 +17,6 @@ def _activation(name: str) -> Callable[[jnp.ndarray], jnp.ndarray]:
     return _ACTIVATIONS[name]
 
 
-def parse_layer_sizes(text: str) -> Tuple[int, ...]:
-    """Parses a comma list such as '256,256,256' into layer sizes, raising ValueError when malformed."""
-    parts = [p.strip() for p in str(text).split(",")]
-    try:
-        sizes = tuple(int(p) for p in parts)
-    except ValueError:
-        raise ValueError(f"malformed layer list {text!r}: expected positive integers like 256,256") from None
-    if not sizes or any(s <= 0 for s in sizes):
-        raise ValueError(f"malformed layer list {text!r}: expected positive integers like 256,256")
-    return sizes
-
-
 class MLP(nn.Module):
     """Multi-layer perceptron; with layer_norm the first layer is Dense -> LayerNorm -> tanh (Acme's LayerNormMLP)."""
 
