@@ -333,3 +333,6 @@ def test_learner_and_two_actors_on_cartpole_exit_cleanly(tmp_path):
     assert list((results / "actors").glob("actor_*.csv"))
     leftovers = [p for p in psutil.Process().children(recursive=True) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not leftovers, leftovers
+    # Workers orphaned by the launcher would be re-parented away from us: find them by their results dir.
+    orphans = [p.pid for p in psutil.process_iter(["cmdline"]) if str(results) in " ".join(p.info["cmdline"] or [])]
+    assert not orphans, orphans
