@@ -182,5 +182,5 @@ def run_learner(run: RunConfig, agent_config: Any, config_json: str, stop: threa
         deadline = time.monotonic() + EVALUATOR_GRACE_S
         while not release.exists() and time.monotonic() < deadline:
             time.sleep(0.2)
+        report("done")  # before the server goes: the report reads its insert count
         server.stop()
-        report("done")
