@@ -3,8 +3,10 @@
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -263,6 +265,44 @@ def test_sweep_records_a_failed_run_and_goes_on(tmp_path):
     assert args[:4] == ["--max_seconds", "7", "--task", "cartpole_balance"]  # passed through unchanged
     assert args[args.index("--actor_bits") + 1] == "8" and args[args.index("--seed") + 1] == "1"
     assert "4/6 runs ok" in result.stdout
+
+
+@pytest.mark.timeout(150)
+def test_sweep_sigterm_stops_the_current_run_and_the_sweep(tmp_path):
+    # A stand-in run that waits until it is told to stop, and records that it was.
+    script = tmp_path / "slow_run.py"
+    script.write_text(
+        "import signal, sys, time, pathlib\n"
+        "args = sys.argv[1:]\n"
+        "d = pathlib.Path(args[args.index('--results_dir') + 1]); d.mkdir(parents=True)\n"
+        "def stop(*_):\n"
+        "    (d / 'stopped').write_text('1'); sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        "(d / 'started').write_text('1')\n"
+        "time.sleep(120)\n"
+        "sys.exit(5)\n"
+    )
+    sweep_dir = tmp_path / "s"
+    sweep = subprocess.Popen([PYTHON, "experiments/sweep.py", "--agent", "d4pg", "--bits", "32,8",
+                              "--results_dir", str(sweep_dir), "--run_script", str(script)],
+                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        first = sweep_dir / "d4pg_cartpole_balance_q32_s0"
+        deadline = time.monotonic() + 90
+        while not (first / "started").exists():
+            assert sweep.poll() is None and time.monotonic() < deadline, "the first run never started"
+            time.sleep(0.2)
+        sweep.send_signal(signal.SIGTERM)
+        assert sweep.wait(timeout=30) == 1
+    finally:
+        if sweep.poll() is None:
+            sweep.kill()
+            sweep.wait()
+    assert (first / "stopped").exists()  # the run got SIGTERM and shut down
+    index = json.loads((sweep_dir / "sweep.json").read_text())
+    assert index["stopped"] is True and index["finished"]
+    assert [(r["status"], r["exit_code"]) for r in index["runs"]] == [("ok", 0), ("not run (sweep stopped)", None)]
+    assert not (sweep_dir / "d4pg_cartpole_balance_q8_s0").exists()
 
 
 # -- end to end on a tiny real sweep ----------------------------------------------------------------------------
