@@ -239,14 +239,21 @@ def test_sweep_bad_flags_exit_2_naming_the_flag(tmp_path, flags, named):
     assert not (tmp_path / "s").exists()  # nothing started
 
 
+def _stand_in_run_script(path: Path, body: str) -> Path:
+    """A script standing in for run_<agent>.py: makes its --results_dir (as `d`, flags as `args`), then runs `body`."""
+    path.write_text(
+        "import json, signal, sys, time, pathlib\n"
+        "args = sys.argv[1:]\n"
+        "d = pathlib.Path(args[args.index('--results_dir') + 1]); d.mkdir(parents=True)\n" + body
+    )
+    return path
+
+
 @pytest.mark.timeout(120)
 def test_sweep_records_a_failed_run_and_goes_on(tmp_path):
-    # A stand-in run script: fails for q=16, succeeds otherwise, and records the flags it got.
-    script = tmp_path / "fake_run.py"
-    script.write_text(
-        "import json, sys, pathlib\n"
-        "args = sys.argv[1:]\n"
-        "d = pathlib.Path(args[args.index('--results_dir') + 1]); d.mkdir(parents=True)\n"
+    # Fails for q=16, succeeds otherwise, and records the flags it got.
+    script = _stand_in_run_script(
+        tmp_path / "fake_run.py",
         "(d / 'args.json').write_text(json.dumps(args))\n"
         "sys.exit(3 if args[args.index('--actor_bits') + 1] == '16' else 0)\n"
     )
@@ -269,12 +276,9 @@ def test_sweep_records_a_failed_run_and_goes_on(tmp_path):
 
 @pytest.mark.timeout(150)
 def test_sweep_sigterm_stops_the_current_run_and_the_sweep(tmp_path):
-    # A stand-in run that waits until it is told to stop, and records that it was.
-    script = tmp_path / "slow_run.py"
-    script.write_text(
-        "import signal, sys, time, pathlib\n"
-        "args = sys.argv[1:]\n"
-        "d = pathlib.Path(args[args.index('--results_dir') + 1]); d.mkdir(parents=True)\n"
+    # A run that waits until it is told to stop, and records that it was.
+    script = _stand_in_run_script(
+        tmp_path / "slow_run.py",
         "def stop(*_):\n"
         "    (d / 'stopped').write_text('1'); sys.exit(0)\n"
         "signal.signal(signal.SIGTERM, stop)\n"
