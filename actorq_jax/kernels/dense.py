@@ -59,7 +59,7 @@ class Int8DenseWeight:
                             self.out_features, self.mode)
 
 
-def _panel_blocks(K: int, N: int) -> list:
+def _panel_blocks(N: int) -> list:
     """(first column, width, count) of the full panels and of the narrow last panel."""
     full, tail = divmod(N, PANEL)
     blocks = [(0, PANEL, full)] if full else []
@@ -72,7 +72,7 @@ def _from_panels(xp: Any, flat: Any, K: int, N: int, mode: str) -> Any:
     """Panel layout (flat, K * N bytes) -> [K, N]; ``xp`` is numpy or jax.numpy."""
     G, rem = divmod(K, 4)
     cols = []
-    for n0, width, count in _panel_blocks(K, N):
+    for n0, width, count in _panel_blocks(N):
         block = flat[n0 * K:(n0 + width * count) * K].reshape(count, K * width)
         if mode == "w8a32":
             panel = block.reshape(count, K, width)
@@ -89,7 +89,7 @@ def _to_panels(values: np.ndarray, mode: str) -> np.ndarray:
     K, N = values.shape
     G, rem = divmod(K, 4)
     parts = []
-    for n0, width, count in _panel_blocks(K, N):
+    for n0, width, count in _panel_blocks(N):
         panel = values[:, n0:n0 + width * count].reshape(K, count, width).transpose(1, 0, 2)
         if mode == "w8a32":
             parts.append(panel.reshape(-1))
