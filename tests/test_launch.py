@@ -184,3 +184,21 @@ def test_help_documents_every_flag():
                  "--policy_layers", "--critic_layers", "--update_period", "--max_env_steps", "--max_learner_steps",
                  "--max_seconds", "--results_dir", "--country", "--resume"):
         assert flag in out, flag
+
+
+@pytest.mark.timeout(600)
+def test_resume_continues_learner_steps_and_env_steps(tmp_path):
+    results = tmp_path / "run"
+    base = [sys.executable, "experiments/run_d4pg.py"]
+    first = subprocess.run([*base, *TINY, "--num_actors", "1", "--max_learner_steps", "100",
+                            "--results_dir", str(results)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=280)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    before = json.loads((results / "summary.json").read_text())
+    second = subprocess.run([*base, "--resume", str(results), "--max_learner_steps", "200"], cwd=ROOT, env=ENV,
+                            capture_output=True, text=True, timeout=280)
+    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
+    after = json.loads((results / "summary.json").read_text())
+    assert before["learner_steps"] == 100 and after["learner_steps"] == 200
+    assert after["env_steps"] > before["env_steps"]  # the counter carries on from the checkpoint
+    steps = [int(r["learner_steps"]) for r in _rows(results / "learner.csv")]
+    assert steps == [100, 200]  # one stream, continued rather than restarted
