@@ -121,7 +121,8 @@ def plot_actor_time(breakdown: pd.DataFrame) -> Figure:
         ax_share.set_ylabel("% of actor time without the adder")
         ax_share.set_ylim(0, 100)
         ax_share.set_title(f"{task}: share of the actor's own work")
-        ax_ms.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncols=len(_STACK), fontsize="small")
     return fig
 
 
