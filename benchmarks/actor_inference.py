@@ -14,11 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
+
+from actorq_jax.telemetry.machine import machine_info
 
 HIDDEN = (256, 2048, 4096)
 BATCHES = (1, 8, 64)
@@ -111,28 +112,6 @@ def _run_worker(threads: int, quick: bool) -> list:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _machine() -> dict:
-    cpu = platform.processor() or "unknown"
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    try:
-        import jax
-
-        jax_version = jax.__version__
-    except ImportError:
-        jax_version = "unknown"
-    # The load average shows how busy the (shared) machine was: ratios are
-    # interleaved and robust to it, absolute microseconds are not.
-    load = [round(v, 2) for v in os.getloadavg()] if hasattr(os, "getloadavg") else None
-    return {"cpu": cpu, "cores": os.cpu_count(), "jax": jax_version, "loadavg_1_5_15": load}
-
-
 def main(argv: list | None = None) -> int:
     """Runs every thread setting in a subprocess, prints the table, writes --json."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -148,7 +127,7 @@ def main(argv: list | None = None) -> int:
     rows = []
     for threads in THREADS:
         rows.extend(_run_worker(threads, args.quick))
-    machine = _machine()
+    machine = machine_info()
     kernel = rows[0]["kernel"] if rows else "unknown"
     print(f"actor_inference: MLP {OBS_DIM}->Hx3->{ACTION_DIM} (tanh), median us per forward; {kernel}")
     load_after = machine["loadavg_1_5_15"][0] if machine["loadavg_1_5_15"] else float("nan")

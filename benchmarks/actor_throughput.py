@@ -16,7 +16,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -130,10 +129,9 @@ def main(argv=None) -> int:
         print(f"{row['backend']:>8} {row['bits']:>5} {row['median_steps_per_s']:>10.1f} {row['episodes_measured']:>9}")
     print(f"headline: steps_per_s_speedup_int8={headline['steps_per_s_speedup_int8']:.2f} (per-trial ratios {[round(r, 2) for r in ratios]})")
     if args.json:
-        import jax
+        from actorq_jax.telemetry.machine import machine_info
 
-        machine = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "jax": jax.__version__}
-        Path(args.json).write_text(json.dumps({"benchmark": "actor_throughput", "machine": machine, "rows": rows,
+        Path(args.json).write_text(json.dumps({"benchmark": "actor_throughput", "machine": machine_info(), "rows": rows,
                                                "headline": headline}, indent=2))
     return 0
 

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -31,6 +29,7 @@ import jax  # noqa: E402
 
 from actorq_jax.quantization import (  # noqa: E402
     QuantConfig, dequantize, from_wire, quantize, to_wire, wire_nbytes)
+from actorq_jax.telemetry.machine import machine_info  # noqa: E402
 
 BITS = (32, 16, 8, 4)
 OBS_DIM, ACT_DIM = 24, 6
@@ -47,16 +46,6 @@ def policy_params(hidden: int, layers: int, seed: int = 0) -> dict:
             "bias": (0.01 * rng.standard_normal(fan_out)).astype(np.float32),
         }
     return {"params": tree}
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def publish(params, config, version):
@@ -136,8 +125,7 @@ def main(argv=None) -> int:
     if args.json:
         result = {
             "benchmark": "quantize",
-            "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "jax": jax.__version__,
-                        "backend": jax.default_backend()},
+            "machine": {**machine_info(), "backend": jax.default_backend()},
             "network": {"layers": net, "num_params": n_weights},
             "rows": rows,
             "headline": headline,

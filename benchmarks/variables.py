@@ -25,12 +25,12 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import os
-import platform
 import statistics
 import time
 
 import numpy as np
+
+from actorq_jax.telemetry.machine import machine_info
 
 OBS_DIM, ACTION_DIM, HIDDEN, LAYERS = 24, 6, 2048, 3
 BITS = (32, 16, 8, 4)
@@ -97,18 +97,6 @@ def _actor_process(address: str, conn, seed: int) -> None:
 
 def _median_ms(values) -> float:
     return 1e3 * statistics.median(values)
-
-
-def _machine() -> dict:
-    import jax
-
-    cpu = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "jax": jax.__version__}
 
 
 def run(quick: bool) -> dict:
@@ -190,7 +178,7 @@ def run(quick: bool) -> dict:
     by_bits = {row["bits"]: row for row in rows}
     return {
         "benchmark": "variables",
-        "machine": _machine(),
+        "machine": machine_info(),
         "rows": rows,
         "throughput": {"adder_transitions": items, "adder_env_steps": steps,
                        "adder_seconds": adder_elapsed, "learner_batches": batches,

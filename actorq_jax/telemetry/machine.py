@@ -1,0 +1,29 @@
+"""What every benchmark report says about the machine it ran on."""
+
+import os
+import platform
+from typing import Any, Dict
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (or what platform knows)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info() -> Dict[str, Any]:
+    """CPU, cores, JAX version and load average (machines are shared: ratios hold, absolute times less so)."""
+    try:
+        import jax
+
+        jax_version = jax.__version__
+    except ImportError:
+        jax_version = "unknown"
+    load = [round(v, 2) for v in os.getloadavg()] if hasattr(os, "getloadavg") else None
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "jax": jax_version, "loadavg_1_5_15": load}
