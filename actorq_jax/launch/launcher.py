@@ -10,7 +10,6 @@ shuts down in an order that keeps every result: actors first, then the learner
 
 import dataclasses
 import json
-import logging
 import math
 import os
 import signal
@@ -23,8 +22,6 @@ from typing import Any, Dict, List, Optional, TextIO
 
 from actorq_jax.launch import runtime
 from actorq_jax.launch.config import RunConfig, save_config
-
-log = logging.getLogger(__name__)
 
 LEARNER_START_TIMEOUT_S = 300.0
 ACTOR_STOP_TIMEOUT_S = 20.0
@@ -62,10 +59,12 @@ class Launcher:
 
     def _start(self, worker: Worker) -> None:
         log_path = self.results_dir / "logs" / f"{worker.name}.log"
+        # A restarted worker gets new seeds (an actor would otherwise replay its first episodes).
+        restart = ["--restart", str(worker.restarts)] if worker.restarts else []
         with open(log_path, "ab") as log_file:
             worker.process = subprocess.Popen(
                 [sys.executable, "-m", "actorq_jax.launch.worker", worker.role,
-                 "--results_dir", str(self.results_dir), "--threads", str(worker.threads), *worker.args],
+                 "--results_dir", str(self.results_dir), "--threads", str(worker.threads), *worker.args, *restart],
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "disable"), "TF_CPP_MIN_LOG_LEVEL": "2"},
@@ -176,12 +175,6 @@ class Launcher:
                 if w.restarts < run.max_actor_restarts:
                     w.restarts += 1
                     self._say(f"{w.name} died (exit code {code}); restart {w.restarts}/{run.max_actor_restarts}")
-                    if w.role == "actor":
-                        w.args = [a for a in w.args]
-                        if "--restart" in w.args:
-                            w.args[w.args.index("--restart") + 1] = str(w.restarts)
-                        else:
-                            w.args += ["--restart", str(w.restarts)]
                     self._start(w)
                 else:
                     w.gave_up = True
