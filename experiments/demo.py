@@ -40,7 +40,7 @@ def main(argv=None) -> int:
         return code
     code = subprocess.call([sys.executable, str(HERE / "plot.py"), str(sweep_dir)])
     print(f"\ndemo: results in {sweep_dir}/ (one run directory per bit-width, each with summary.json)")
-    print(f"demo: plots and table in {sweep_dir}/plots/ and {sweep_dir}/results.md")
+    print(f"demo: plots and table in {sweep_dir}/plots/ (results.md, return_vs_wall_time.png, actor_time_breakdown.png)")
     return code
 
 

@@ -90,6 +90,7 @@ def parse_run(agent: str, agent_config_cls: type, argv: Optional[Sequence[str]],
     fields = {f.name for f in dataclasses.fields(RunConfig)}
     values = {k: v for k, v in vars(args).items() if k in fields}
     values["agent"] = agent
+    values["resume"] = False
     if values["num_actors"] < 1:
         parser.error(f"--num_actors must be >= 1, got {values['num_actors']}")
     for flag, message in validate_run_fields({**values, "comm_bits": values.get("comm_bits")}):

@@ -135,6 +135,9 @@ class Launcher:
                     exit_code = self._watch(learner, progress, start)
         finally:
             self._shutdown(learner)
+            if exit_code == 0 and learner.process is not None and learner.process.returncode not in (0, None):
+                self._say(f"learner exited with code {learner.process.returncode} at shutdown:\n{self._log_tail(learner)}")
+                exit_code = 1
             energy_report = energy.stop()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
