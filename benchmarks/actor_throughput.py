@@ -28,6 +28,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 TASK = "walker_walk"
 LAYERS = (2048, 2048, 2048)
+PHASES = ("env_step", "inference", "adder", "pull", "deserialize", "load")
 
 
 def _serve(backend: str, bits: int, publish_every: float, stop: threading.Event, results_dir: str):
@@ -96,7 +97,10 @@ def _trial(backend: str, bits: int, episodes: int, publish_every: float) -> list
             server.stop()
     walls = [0.0] + [float(r["wall_seconds"]) for r in rows]
     rates = [int(r["episode_length"]) / (walls[i + 1] - walls[i]) for i, r in enumerate(rows)]
-    return rates[1:]
+    # Milliseconds per env step in each phase (refresh phases run in the background thread).
+    phases = {p: statistics.median(1e3 * float(r[f"{p}_s"]) / int(r["episode_length"]) for r in rows[1:])
+              for p in PHASES}
+    return rates[1:], phases
 
 
 def main(argv=None) -> int:
@@ -111,22 +115,27 @@ def main(argv=None) -> int:
     trials, episodes = (1, 2) if args.quick else (args.trials, args.episodes)
     cases = (("fp32", 32), ("int8", 8))
     rates = {name: [] for name, _ in cases}
+    phases = {name: [] for name, _ in cases}
     ratios = []
     for trial in range(trials):
         order = cases if trial % 2 == 0 else cases[::-1]
         per_trial = {}
         for name, bits in order:
-            per_trial[name] = _trial(name, bits, episodes, args.publish_every)
+            per_trial[name], trial_phases = _trial(name, bits, episodes, args.publish_every)
             rates[name] += per_trial[name]
+            phases[name].append(trial_phases)
         ratios.append(statistics.median(per_trial["int8"]) / statistics.median(per_trial["fp32"]))
     rows = [{"backend": name, "bits": bits, "median_steps_per_s": statistics.median(rates[name]),
-             "episodes_measured": len(rates[name])} for name, bits in cases]
+             "episodes_measured": len(rates[name]),
+             **{f"{p}_ms_per_step": statistics.median(t[p] for t in phases[name]) for p in PHASES}}
+            for name, bits in cases]
     headline = {"steps_per_s_speedup_int8": statistics.median(ratios)}
     print(f"actor_throughput: one actor process, {TASK}, policy {'x'.join(map(str, LAYERS))}, "
           f"refresh every 100 steps, {trials} trial(s)")
-    print(f"{'backend':>8} {'bits':>5} {'steps/s':>10} {'episodes':>9}")
+    print(f"{'backend':>8} {'bits':>5} {'steps/s':>10} {'episodes':>9}  ms/step: " + " ".join(f"{p:>11}" for p in PHASES))
     for row in rows:
-        print(f"{row['backend']:>8} {row['bits']:>5} {row['median_steps_per_s']:>10.1f} {row['episodes_measured']:>9}")
+        print(f"{row['backend']:>8} {row['bits']:>5} {row['median_steps_per_s']:>10.1f} {row['episodes_measured']:>9}  "
+              + "         " + " ".join(f"{row[p + '_ms_per_step']:>11.3f}" for p in PHASES))
     print(f"headline: steps_per_s_speedup_int8={headline['steps_per_s_speedup_int8']:.2f} (per-trial ratios {[round(r, 2) for r in ratios]})")
     if args.json:
         from actorq_jax.telemetry.machine import machine_info

@@ -59,7 +59,7 @@ def run_actor(
         # Folding the step in inside jit keeps key handling off the per-step Python path.
         return policy(params, jax.random.fold_in(key, step), observation)
 
-    precision = ActorPrecision(run.actor_bits, run.wire_bits, run.granularity, run.actor_backend)
+    precision = ActorPrecision(run.actor_bits, run.wire_bits, run.granularity, run.actor_backend, run.int8_mode)
     if resolve_backend(precision) == "int8":
         from actorq_jax import kernels
 

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 BACKENDS = ("auto", "fp32", "fakequant", "int8")
+INT8_MODES = ("w8a8", "w8a32")
 GRANULARITIES = ("per_channel", "per_tensor")
 VALID_BITS = (2, 3, 4, 5, 6, 7, 8, 16, 32)
 
@@ -23,6 +24,7 @@ class RunConfig:
     comm_bits: Optional[int] = None  # precision on the wire; None means actor_bits
     granularity: str = "per_channel"  # quantization scale granularity
     actor_backend: str = "auto"  # fp32 | fakequant | int8 | auto (int8 kernel when bits <= 8 and built)
+    int8_mode: str = "w8a8"  # int8 kernel: w8a8 (activations quantized per row, as PyTorch's dynamic int8) or w8a32
     update_period: int = 100  # actor env steps between variable refreshes
     publish_period: int = 10  # learner steps between variable publications
     max_env_steps: Optional[int] = None  # budget: total env steps over all actors
@@ -63,6 +65,8 @@ def validate_run_fields(fields: Dict[str, Any]) -> list:
         problems.append(("granularity", f"{fields['granularity']!r} not in {GRANULARITIES}"))
     if fields["actor_backend"] not in BACKENDS:
         problems.append(("actor_backend", f"{fields['actor_backend']!r} not in {BACKENDS}"))
+    if fields.get("int8_mode", "w8a8") not in INT8_MODES:
+        problems.append(("int8_mode", f"{fields['int8_mode']!r} not in {INT8_MODES}"))
     if fields["actor_backend"] == "fp32" and fields["actor_bits"] != 32:
         problems.append(("actor_backend", f"fp32 runs float weights; it needs --actor_bits 32, not {fields['actor_bits']}"))
     if fields["actor_backend"] == "int8" and fields["actor_bits"] > 8:

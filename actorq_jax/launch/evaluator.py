@@ -39,7 +39,7 @@ def run_evaluator(run: Any, agent_config: Any, address: str, stop: threading.Eve
     policies = [("fp32", 32, dequantize)]
     if run.actor_bits != 32:
         # The actors' policy: the float weights at actor_bits, run by the actors' backend.
-        load = make_param_loader(ActorPrecision(run.actor_bits, 32, run.granularity, run.actor_backend))
+        load = make_param_loader(ActorPrecision(run.actor_bits, 32, run.granularity, run.actor_backend, run.int8_mode))
         policies.append(("actor", run.actor_bits, load))
     wait_for_server(address, timeout_s=60.0)
     # Refreshed by hand (update_period is irrelevant): the evaluator polls for new versions.

@@ -25,6 +25,7 @@ class ActorPrecision:
     comm_bits: int = 32
     granularity: str = "per_channel"
     backend: str = "auto"
+    int8_mode: str = "w8a8"  # activations of the int8 kernel: quantized per row (w8a8) or float (w8a32)
 
     def actor_quant(self) -> QuantConfig:
         """Quantization config of the actor's policy."""
@@ -63,7 +64,7 @@ def make_param_loader(precision: ActorPrecision) -> Callable[[Any], Any]:
         if backend == "int8":
             from actorq_jax import kernels
 
-            params = kernels.pack_params(qparams)
+            params = kernels.pack_params(qparams, mode=precision.int8_mode)
         else:
             params = dequantize(qparams)
         params = jax.device_put(params)
