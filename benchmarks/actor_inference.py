@@ -59,7 +59,7 @@ def worker(threads: int, quick: bool) -> list:
     from actorq_jax.quantization import QuantConfig, quantize
 
     kernels.set_num_threads(threads)
-    trials = 3 if quick else 7  # medians of 7 interleaved trials keep a full run near 10 minutes
+    trials = 3 if quick else 7
     min_seconds = 0.005 if quick else 0.02
     rows = []
     for hidden in HIDDEN:
