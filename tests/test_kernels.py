@@ -205,6 +205,33 @@ def test_jit_repeated_calls_with_two_threads():
         kernels.set_num_threads(1)
 
 
+def test_idle_pool_workers_sleep():
+    # Pool workers spin briefly after a job and then must sleep: a worker that kept
+    # spinning would steal a core from the actor's environment for the whole run.
+    script = textwrap.dedent("""
+        import time
+        import numpy as np, jax
+        from actorq_jax import kernels
+        from actorq_jax.kernels import pack_dense, int8_dense
+        rng = np.random.default_rng(0)
+        w = pack_dense(rng.integers(-127, 128, size=(2048, 2048)).astype(np.int8),
+                       np.full(2048, 0.01, np.float32), "w8a8")
+        x = rng.normal(size=(1, 2048)).astype(np.float32)
+        kernels.set_num_threads(2)
+        fn = jax.jit(int8_dense)
+        for _ in range(50):
+            fn(x, w, np.zeros(2048, np.float32)).block_until_ready()
+        time.sleep(0.2)
+        cpu0 = time.process_time()
+        time.sleep(1.0)
+        print("IDLE_CPU", time.process_time() - cpu0)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    idle_cpu = float(proc.stdout.split("IDLE_CPU")[1])
+    assert idle_cpu < 0.25, f"process used {idle_cpu:.2f} s of CPU in 1 s of idle sleep"
+
+
 def test_reference_path_gives_same_answer():
     rng = np.random.default_rng(9)
     for mode in ("w8a32", "w8a8"):
