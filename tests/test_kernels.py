@@ -104,6 +104,43 @@ def test_w8a8_matches_reference(path):
         assert _max_rel_err(y, reference_int8_dense(x, w32, bias)) < 0.05
 
 
+@pytest.mark.parametrize("path", KERNEL_PATHS)
+@pytest.mark.parametrize("mode", ["w8a32", "w8a8"])
+def test_fused_activations_match_reference(path, mode):
+    rng = np.random.default_rng(10)
+    for activation in ("relu", "elu", "tanh"):
+        fn = jax.jit(lambda x, w, b: int8_dense(x, w, b, path=path, activation=activation))
+        for batch, K, N in SHAPES[::2] + [(1, 2048, 6), (3, 64, 70)]:
+            x, w, bias, _, _ = _case(rng, batch, K, N, mode)
+            # Pre-activations from about -50 to 50, and many near 0 (where elu and tanh bend).
+            bias = (bias * np.where(np.arange(N) % 2 == 0, 20.0, 0.01)).astype(np.float32)
+            ref = np.asarray(reference_int8_dense(x, w, bias, activation))
+            y = np.asarray(fn(x, w, bias))
+            assert y.shape == ref.shape
+            # All three are 1-Lipschitz: the matmul's tolerance carries over, plus the
+            # kernel's exp approximation (about 1e-7).
+            pre_scale = float(np.abs(reference_int8_dense(x, w, bias)).max())
+            np.testing.assert_allclose(y, ref, rtol=0, atol=1e-5 * pre_scale + 1e-6,
+                                       err_msg=f"{path} {mode} {activation} {(batch, K, N)}")
+            if mode == "w8a8" and path != "scalar":
+                # Integer accumulation: the pre-activations equal the scalar path's up to the final
+                # fma, so this isolates the SIMD exp approximation against libm's expm1 / tanh.
+                libm = np.asarray(int8_dense(x, w, bias, path="scalar", activation=activation))
+                np.testing.assert_allclose(y, libm, rtol=1e-6, atol=5e-7, err_msg=f"{path} {activation}")
+            if activation == "relu":  # fused relu is exactly relu of the unfused kernel
+                np.testing.assert_array_equal(y, np.maximum(np.asarray(int8_dense(x, w, bias, path=path)), 0.0))
+            if activation == "tanh":
+                assert np.abs(y).max() <= 1.0
+
+
+def test_unknown_activation_is_refused():
+    rng = np.random.default_rng(11)
+    x, w, bias, _, _ = _case(rng, 2, 8, 16, "w8a8")
+    for fn in (int8_dense, reference_int8_dense):
+        with pytest.raises(ValueError, match="'gelu'"):
+            fn(x, w, bias, activation="gelu")
+
+
 def test_w8a8_reference_is_integer_math():
     rng = np.random.default_rng(3)
     x, w, bias, values, scale = _case(rng, 4, 70, 20, "w8a8")
@@ -182,7 +219,12 @@ def test_unsupported_path_is_refused_by_the_kernel():
     x, w, bias, _, _ = _case(rng, 2, 8, 16, "w8a32")
     with pytest.raises(Exception, match="path 9"):
         jffi.ffi_call(_library.TARGET_W8A32, jax.ShapeDtypeStruct((2, 16), jnp.float32),
-                      jnp.asarray(x), w.packed, w.scale, jnp.asarray(bias), out_features=16, path=9).block_until_ready()
+                      jnp.asarray(x), w.packed, w.scale, jnp.asarray(bias), out_features=16, path=9,
+                      activation=0).block_until_ready()
+    with pytest.raises(Exception, match="activation 7"):
+        jffi.ffi_call(_library.TARGET_W8A32, jax.ShapeDtypeStruct((2, 16), jnp.float32),
+                      jnp.asarray(x), w.packed, w.scale, jnp.asarray(bias), out_features=16, path=0,
+                      activation=7).block_until_ready()
 
 
 def test_jit_repeated_calls_with_two_threads():
@@ -266,11 +308,12 @@ def test_missing_library_warns_once_and_falls_back():
     assert "FALLBACK-OK" in proc.stdout, proc.stderr[-2000:]
 
 
-def test_pack_params_and_int8_policy():
+@pytest.mark.parametrize("activation,layer_norm", [("tanh", False), ("relu", False), ("elu", True)])
+def test_pack_params_and_int8_policy(activation, layer_norm):
     from actorq_jax.networks import PolicyNetwork
     from actorq_jax.quantization import QuantConfig, QuantizedTensor, quantize
 
-    net = PolicyNetwork(action_dim=6, layer_sizes=(64, 40, 33), activation="tanh")
+    net = PolicyNetwork(action_dim=6, layer_sizes=(64, 40, 33), activation=activation, layer_norm=layer_norm)
     obs = np.random.default_rng(10).normal(size=(4, 24)).astype(np.float32)
     params = net.init(jax.random.PRNGKey(0), obs)
     qparams = quantize(params, QuantConfig(bits=8))
@@ -285,6 +328,13 @@ def test_pack_params_and_int8_policy():
         actions = jax.jit(net.apply)(packed, obs)
         tol = 1e-5 if mode == "w8a32" else 0.05
         assert _max_rel_err(actions, fake) < tol, mode
+        # Every activation that follows a Dense runs inside the kernel call.
+        hlo = jax.jit(net.apply).lower(packed, obs).as_text()
+        code = {"relu": 1, "elu": 2, "tanh": 3}[activation]
+        head_int8 = isinstance(packed["params"]["head"]["kernel"], Int8DenseWeight)
+        torso = 2 if layer_norm else 3  # Dense_0 -> LayerNorm -> tanh stays in jnp
+        assert hlo.count(f"activation = {code} : i64") == torso + (head_int8 and activation == "tanh"), hlo
+        assert hlo.count("activation = 3 : i64") >= int(head_int8)  # the head's tanh
 
     # Asymmetric tensors are dequantized to float32; other leaves pass through.
     asym = quantize(params, QuantConfig(bits=8, symmetric=False))

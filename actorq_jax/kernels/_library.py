@@ -22,6 +22,9 @@ TARGET_W8A8 = "actorq_int8_dense_w8a8"
 PATH_CODES = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3}
 PATH_NAMES = {code: name for name, code in PATH_CODES.items()}
 
+# The handlers' signature version this Python code speaks (kAbiVersion in int8_dense.cc).
+ABI_VERSION = 2
+
 
 class _State:
     """What loading found: the ctypes library, or the reason there is none."""
@@ -59,10 +62,14 @@ def _load() -> _State:
             ("actorq_path_supported", [ctypes.c_int64]),
             ("actorq_set_num_threads", [ctypes.c_int64]),
             ("actorq_get_num_threads", []),
+            ("actorq_abi_version", []),
         ):
             fn = getattr(lib, name)
             fn.argtypes = argtypes
             fn.restype = None if name == "actorq_set_num_threads" else ctypes.c_int64
+        if lib.actorq_abi_version() != ABI_VERSION:
+            raise ValueError(f"it speaks version {lib.actorq_abi_version()} of the kernel interface, "
+                             f"this code needs {ABI_VERSION} (rebuild: python -m actorq_jax.kernels.build)")
         from jax.extend import ffi as jffi
 
         jffi.register_ffi_target(TARGET_W8A32, jffi.pycapsule(lib.ActorqInt8DenseW8A32), platform="cpu")

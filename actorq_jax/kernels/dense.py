@@ -25,6 +25,9 @@ from actorq_jax.kernels import _library
 PANEL = 16  # output columns per weight panel
 MODES = ("w8a32", "w8a8")
 PATHS = ("auto", "scalar", "avx2", "avx512", "reference")
+# Activations the kernel fuses into its epilogue, and the jnp function each one matches.
+ACTIVATIONS = {"relu": jax.nn.relu, "elu": jax.nn.elu, "tanh": jnp.tanh}
+_ACTIVATION_CODES = {None: 0, "relu": 1, "elu": 2, "tanh": 3}
 
 
 @struct.dataclass
@@ -136,9 +139,12 @@ def quantize_rows(x: jnp.ndarray) -> tuple:
     return q, amax / jnp.float32(127.0)
 
 
-def reference_int8_dense(x: jnp.ndarray, w: Int8DenseWeight, bias: Optional[jnp.ndarray] = None) -> jnp.ndarray:
+def reference_int8_dense(
+    x: jnp.ndarray, w: Int8DenseWeight, bias: Optional[jnp.ndarray] = None, activation: Optional[str] = None
+) -> jnp.ndarray:
     """The kernel's math in pure jnp (float32 [..., K] -> float32 [..., N])."""
     x, bias = _check(x, w, bias)
+    _check_activation(activation)
     wq = w.unpack()
     scale = jnp.asarray(w.scale, jnp.float32)
     if w.mode == "w8a32":
@@ -149,7 +155,13 @@ def reference_int8_dense(x: jnp.ndarray, w: Int8DenseWeight, bias: Optional[jnp.
             q, wq, (((q.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.int32
         )
         y = acc.astype(jnp.float32) * (sx * scale)
-    return y + bias
+    y = y + bias
+    return y if activation is None else ACTIVATIONS[activation](y)
+
+
+def _check_activation(activation: Optional[str]) -> None:
+    if activation not in _ACTIVATION_CODES:
+        raise ValueError(f"activation must be None or one of {sorted(ACTIVATIONS)}, got {activation!r}")
 
 
 _warned_fallback = False
@@ -212,22 +224,25 @@ def int8_dense(
     bias: Optional[jnp.ndarray] = None,
     *,
     path: Optional[str] = None,
+    activation: Optional[str] = None,
 ) -> jnp.ndarray:
-    """Int8 dense layer ``x @ (Wq * scale) + bias`` through the CPU kernel (jit-compatible).
+    """Int8 dense layer ``act(x @ (Wq * scale) + bias)`` through the CPU kernel (jit-compatible).
 
     ``path`` forces an instruction-set path ("scalar", "avx2", "avx512") or the
     jnp "reference"; default $ACTORQ_KERNEL_PATH or "auto" (the fastest this CPU has).
+    ``activation`` ("relu", "elu", "tanh" or None) is fused into the kernel's epilogue.
     """
     path = _default_path() if path is None else path
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     x, bias = _check(x, w, bias)
+    _check_activation(activation)
     if path == "reference":
-        return reference_int8_dense(x, w, bias)
+        return reference_int8_dense(x, w, bias, activation)
     state = _library.state()
     if state.lib is None:
         _warn_fallback_once(state.reason)
-        return reference_int8_dense(x, w, bias)
+        return reference_int8_dense(x, w, bias, activation)
     if not _library.path_supported(path):
         raise ValueError(f"kernel path {path!r} is not supported by this CPU (best: {_library.best_path()})")
     K, N = w.in_features, w.out_features
@@ -242,7 +257,8 @@ def int8_dense(
     if w.mode == "w8a8":
         args.append(w.colsum)
     target = _library.TARGET_W8A32 if w.mode == "w8a32" else _library.TARGET_W8A8
-    y = jffi.ffi_call(target, out, *args, out_features=int(N), path=_library.PATH_CODES[path])
+    y = jffi.ffi_call(target, out, *args, out_features=int(N), path=_library.PATH_CODES[path],
+                      activation=_ACTIVATION_CODES[activation])
     return y.reshape(lead + (N,))
 
 

@@ -2,6 +2,9 @@
 //
 //   y[m, n] = sum_k x[m, k] * Wq[k, n] * scale[n] + bias[n]
 //
+// followed by an optional activation fused into the epilogue (relu, elu or
+// tanh: one pass less over the output, and one XLA op less between layers).
+//
 // Two variants:
 //   W8A32  float activations.
 //   W8A8   activations quantized per row to int8 (+-127, round half to even),
@@ -43,6 +46,10 @@ namespace {
 constexpr int64_t kPanel = 16;
 
 enum Path : int64_t { kAuto = 0, kScalar = 1, kAvx2 = 2, kAvx512 = 3 };
+enum Activation : int64_t { kNone = 0, kRelu = 1, kElu = 2, kTanh = 3 };
+
+// Bumped whenever the handlers' attributes change, so Python can refuse a stale library.
+constexpr int64_t kAbiVersion = 2;
 
 #if ACTORQ_X86
 bool CpuHasAvx2() {
@@ -53,7 +60,8 @@ bool CpuHasAvx2() {
 bool CpuHasAvx512() {
   __builtin_cpu_init();
   return CpuHasAvx2() && __builtin_cpu_supports("avx512f") &&
-         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512vnni");
 }
 
 // pause: lets the sibling hyperthread run and saves power while spinning.
@@ -226,8 +234,27 @@ void ForPanels(int64_t P, int64_t macs, const std::function<void(int64_t, int64_
 // Shared geometry of one call.
 struct Geometry {
   int64_t M, K, N, P;
+  int64_t act;  // Activation applied to every output
 };
 
+// ---------------------------------------------------------------------------
+// Activations. The SIMD versions use exp(r) * 2^n with a degree-6 polynomial for
+// exp(r), |r| <= ln2 / 2 (Cephes' expf coefficients, about 1 ulp): elu is
+// exp(v) - 1 and tanh(|v|) is (1 - e) / (1 + e) with e = exp(-2|v|), both
+// within 1e-6 absolute of libm, far inside the kernel's 1e-5 tolerance.
+inline float ActScalar(float v, int64_t act) {
+  switch (act) {
+    case kRelu: return v > 0.f ? v : 0.f;
+    case kElu: return v > 0.f ? v : std::expm1(v);
+    case kTanh: return std::tanh(v);
+    default: return v;
+  }
+}
+
+constexpr float kExpHi = 88.3762626647949f, kExpLo = -87.3365478515625f;
+constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kExpP[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                            4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
 // Loads scale and bias for the 16 columns of panel p into padded arrays.
 inline void PanelEpilogueParams(const float* scale, const float* bias, int64_t n0, int64_t N,
                                 float* s16, float* b16) {
@@ -260,10 +287,14 @@ const int8_t* W8A32Panel(const int8_t* w, const Geometry& g, int64_t p,
   return scratch.data();
 }
 
-// A W8A8 panel as up to two runs of [groups, 64] bytes (16 columns x 4 k).
+// A W8A8 panel as up to two runs of `groups` groups of 16 columns x 4 k; a
+// group is 64 bytes except in the in-place narrow panel of the VNNI path,
+// whose groups are 4 * width bytes, read with `mask` (zeroing the rest).
 struct Segments {
   const int8_t* ptr[2];
   int64_t groups[2];
+  int64_t stride[2];
+  uint64_t mask[2];
   int count;
 };
 
@@ -273,7 +304,7 @@ Segments W8A8Panel(const int8_t* w, const Geometry& g, int64_t p, std::vector<in
   const int8_t* base = w + p * kPanel * g.K;
   const int64_t width = ValidCols(p * kPanel, g.N);
   const int64_t G = g.K / 4, rem = g.K % 4;
-  Segments s{{base, nullptr}, {G, 0}, 1};
+  Segments s{{base, nullptr}, {G, 0}, {4 * kPanel, 4 * kPanel}, {~uint64_t{0}, ~uint64_t{0}}, 1};
   if (width == kPanel) {
     if (rem) {
       std::memset(tail, 0, 4 * kPanel);
@@ -296,6 +327,26 @@ Segments W8A8Panel(const int8_t* w, const Geometry& g, int64_t p, std::vector<in
   return s;
 }
 
+// Panel p of a W8A8 weight for the VNNI path: a narrow panel is read in place
+// (masked loads), only its last partial group of 4 k goes through `tail`.
+Segments W8A8PanelInPlace(const int8_t* w, const Geometry& g, int64_t p, int8_t* tail) {
+  const int8_t* base = w + p * kPanel * g.K;
+  const int64_t width = ValidCols(p * kPanel, g.N);
+  const int64_t G = g.K / 4, rem = g.K % 4;
+  const uint64_t full = ~uint64_t{0};
+  const uint64_t mask = width == kPanel ? full : (uint64_t{1} << (4 * width)) - 1;
+  Segments s{{base, nullptr}, {G, 0}, {4 * width, 4 * kPanel}, {mask, full}, 1};
+  if (rem) {
+    std::memset(tail, 0, 4 * kPanel);
+    for (int64_t j = 0; j < rem; ++j)
+      for (int64_t c = 0; c < width; ++c) tail[c * 4 + j] = base[G * 4 * width + j * width + c];
+    s.ptr[1] = tail;
+    s.groups[1] = 1;
+    s.count = 2;
+  }
+  return s;
+}
+
 // ---------------------------------------------------------------------------
 // W8A32, scalar.
 void W8A32Scalar(const Geometry& g, const float* x, const int8_t* w, const float* scale,
@@ -312,12 +363,76 @@ void W8A32Scalar(const Geometry& g, const float* x, const int8_t* w, const float
         const int8_t* wk = wp + k * kPanel;
         for (int64_t c = 0; c < kPanel; ++c) acc[c] += xv * static_cast<float>(wk[c]);
       }
-      for (int64_t c = 0; c < nc; ++c) y[m * g.N + n0 + c] = acc[c] * scale[n0 + c] + bias[n0 + c];
+      for (int64_t c = 0; c < nc; ++c)
+        y[m * g.N + n0 + c] = ActScalar(acc[c] * scale[n0 + c] + bias[n0 + c], g.act);
     }
   }
 }
 
 #if ACTORQ_X86
+__attribute__((target("avx2,fma"))) inline __m256 Exp256(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(kExpLo)), _mm256_set1_ps(kExpHi));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
+  __m256 p = _mm256_set1_ps(kExpP[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpP[i]));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+__attribute__((target("avx2,fma"))) inline __m256 Act256(__m256 v, int64_t act) {
+  switch (act) {
+    case kRelu: return _mm256_max_ps(v, _mm256_setzero_ps());
+    case kElu: {
+      const __m256 em1 = _mm256_sub_ps(Exp256(_mm256_min_ps(v, _mm256_setzero_ps())), _mm256_set1_ps(1.f));
+      return _mm256_blendv_ps(em1, v, _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GT_OQ));
+    }
+    case kTanh: {
+      const __m256 sign = _mm256_and_ps(v, _mm256_set1_ps(-0.f));
+      const __m256 e = Exp256(_mm256_mul_ps(_mm256_andnot_ps(sign, v), _mm256_set1_ps(-2.f)));
+      const __m256 one = _mm256_set1_ps(1.f);
+      return _mm256_or_ps(_mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e)), sign);
+    }
+    default: return v;
+  }
+}
+
+__attribute__((target("avx512f,avx2,fma"))) inline __m512 Exp512(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(kExpLo)), _mm512_set1_ps(kExpHi));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kExpP[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpP[i]));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+__attribute__((target("avx512f,avx2,fma"))) inline __m512 Act512(__m512 v, int64_t act) {
+  switch (act) {
+    case kRelu: return _mm512_max_ps(v, _mm512_setzero_ps());
+    case kElu: {
+      const __m512 em1 = _mm512_sub_ps(Exp512(_mm512_min_ps(v, _mm512_setzero_ps())), _mm512_set1_ps(1.f));
+      return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_GT_OQ), em1, v);
+    }
+    case kTanh: {
+      // Sign-bit logic on integer lanes: the float forms need AVX-512 DQ.
+      const __m512i bits = _mm512_castps_si512(v);
+      const __m512i sign = _mm512_and_si512(bits, _mm512_set1_epi32(INT32_MIN));
+      const __m512 av = _mm512_castsi512_ps(_mm512_xor_si512(bits, sign));
+      const __m512 e = Exp512(_mm512_mul_ps(av, _mm512_set1_ps(-2.f)));
+      const __m512 one = _mm512_set1_ps(1.f);
+      const __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+      return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), sign));
+    }
+    default: return v;
+  }
+}
+
 // W8A32, AVX2 + FMA: R rows x 16 columns per tile; U independent accumulator
 // sets over k hide the FMA latency when R is small.
 template <int R, int U>
@@ -365,13 +480,15 @@ __attribute__((target("avx2,fma"))) void W8A32Avx2Tile(const Geometry& g, const 
       a1 = _mm256_add_ps(a1, acc[u][r][1]);
     }
     float* yr = y + r * g.N + n0;
+    const __m256 o0 = Act256(_mm256_fmadd_ps(a0, s0, b0), g.act);
+    const __m256 o1 = Act256(_mm256_fmadd_ps(a1, s1, b1), g.act);
     if (nc == kPanel) {
-      _mm256_storeu_ps(yr, _mm256_fmadd_ps(a0, s0, b0));
-      _mm256_storeu_ps(yr + 8, _mm256_fmadd_ps(a1, s1, b1));
+      _mm256_storeu_ps(yr, o0);
+      _mm256_storeu_ps(yr + 8, o1);
     } else {
       alignas(32) float tmp[kPanel];
-      _mm256_store_ps(tmp, _mm256_fmadd_ps(a0, s0, b0));
-      _mm256_store_ps(tmp + 8, _mm256_fmadd_ps(a1, s1, b1));
+      _mm256_store_ps(tmp, o0);
+      _mm256_store_ps(tmp + 8, o1);
       std::memcpy(yr, tmp, nc * sizeof(float));
     }
   }
@@ -403,10 +520,12 @@ __attribute__((target("avx2,fma"))) void W8A32Avx2(const Geometry& g, const floa
 }
 
 // W8A32, AVX-512: one zmm holds a whole 16-column panel row.
+// A narrow last panel (width w < 16, rows of w bytes) is read in place with
+// masked loads, which zero the missing columns: no per-call copy.
 template <int R, int U>
-__attribute__((target("avx512f,avx512bw,avx2,fma"))) void W8A32Avx512Tile(
-    const Geometry& g, const float* x, const int8_t* wp, const float* scale, const float* bias,
-    float* y, int64_t n0) {
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma"))) void W8A32Avx512Tile(
+    const Geometry& g, const float* x, const int8_t* wp, int64_t ldw, __mmask16 wmask,
+    const float* scale, const float* bias, float* y, int64_t n0) {
   __m512 acc[U][R];
   for (int u = 0; u < U; ++u)
     for (int r = 0; r < R; ++r) acc[u][r] = _mm512_setzero_ps();
@@ -414,15 +533,15 @@ __attribute__((target("avx512f,avx512bw,avx2,fma"))) void W8A32Avx512Tile(
   int64_t k = 0;
   for (; k + U <= K; k += U) {
     for (int u = 0; u < U; ++u) {
-      const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + (k + u) * kPanel))));
+      const __m512 wv =
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(wmask, wp + (k + u) * ldw)));
       for (int r = 0; r < R; ++r)
         acc[u][r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k + u]), wv, acc[u][r]);
     }
   }
   for (; k < K; ++k) {
-    const __m512 wv = _mm512_cvtepi32_ps(
-        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + k * kPanel))));
+    const __m512 wv =
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(wmask, wp + k * ldw)));
     for (int r = 0; r < R; ++r)
       acc[0][r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k]), wv, acc[0][r]);
   }
@@ -433,29 +552,29 @@ __attribute__((target("avx512f,avx512bw,avx2,fma"))) void W8A32Avx512Tile(
   for (int r = 0; r < R; ++r) {
     __m512 a = acc[0][r];
     for (int u = 1; u < U; ++u) a = _mm512_add_ps(a, acc[u][r]);
-    _mm512_mask_storeu_ps(y + r * g.N + n0, mask, _mm512_fmadd_ps(a, s, b));
+    _mm512_mask_storeu_ps(y + r * g.N + n0, mask, Act512(_mm512_fmadd_ps(a, s, b), g.act));
   }
 }
 
-__attribute__((target("avx512f,avx512bw,avx2,fma"))) void W8A32Avx512(
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma"))) void W8A32Avx512(
     const Geometry& g, const float* x, const int8_t* w, const float* scale, const float* bias,
     float* y, int64_t p0, int64_t p1) {
-  thread_local std::vector<int8_t> scratch;
   for (int64_t p = p0; p < p1; ++p) {
-    const int8_t* wp = W8A32Panel(w, g, p, scratch);
-    const int64_t n0 = p * kPanel;
+    const int8_t* wp = w + p * kPanel * g.K;
+    const int64_t n0 = p * kPanel, ldw = ValidCols(n0, g.N);
+    const __mmask16 wmask = static_cast<__mmask16>((1u << ldw) - 1u);
     for (int64_t m0 = 0; m0 < g.M; m0 += 8) {
       const float* xt = x + m0 * g.K;
       float* yt = y + m0 * g.N;
       switch (std::min<int64_t>(8, g.M - m0)) {
-        case 8: W8A32Avx512Tile<8, 1>(g, xt, wp, scale, bias, yt, n0); break;
-        case 7: W8A32Avx512Tile<7, 1>(g, xt, wp, scale, bias, yt, n0); break;
-        case 6: W8A32Avx512Tile<6, 1>(g, xt, wp, scale, bias, yt, n0); break;
-        case 5: W8A32Avx512Tile<5, 1>(g, xt, wp, scale, bias, yt, n0); break;
-        case 4: W8A32Avx512Tile<4, 1>(g, xt, wp, scale, bias, yt, n0); break;
-        case 3: W8A32Avx512Tile<3, 2>(g, xt, wp, scale, bias, yt, n0); break;
-        case 2: W8A32Avx512Tile<2, 2>(g, xt, wp, scale, bias, yt, n0); break;
-        default: W8A32Avx512Tile<1, 4>(g, xt, wp, scale, bias, yt, n0); break;
+        case 8: W8A32Avx512Tile<8, 1>(g, xt, wp, ldw, wmask, scale, bias, yt, n0); break;
+        case 7: W8A32Avx512Tile<7, 1>(g, xt, wp, ldw, wmask, scale, bias, yt, n0); break;
+        case 6: W8A32Avx512Tile<6, 1>(g, xt, wp, ldw, wmask, scale, bias, yt, n0); break;
+        case 5: W8A32Avx512Tile<5, 1>(g, xt, wp, ldw, wmask, scale, bias, yt, n0); break;
+        case 4: W8A32Avx512Tile<4, 1>(g, xt, wp, ldw, wmask, scale, bias, yt, n0); break;
+        case 3: W8A32Avx512Tile<3, 2>(g, xt, wp, ldw, wmask, scale, bias, yt, n0); break;
+        case 2: W8A32Avx512Tile<2, 2>(g, xt, wp, ldw, wmask, scale, bias, yt, n0); break;
+        default: W8A32Avx512Tile<1, 4>(g, xt, wp, ldw, wmask, scale, bias, yt, n0); break;
       }
     }
   }
@@ -510,7 +629,7 @@ void W8A8Scalar(const Geometry& g, int64_t K4, const int8_t* q, const float* sx,
       }
       for (int64_t c = 0; c < nc; ++c) {
         const float rs = sx[m] * scale[n0 + c];
-        y[m * g.N + n0 + c] = static_cast<float>(acc[c]) * rs + bias[n0 + c];
+        y[m * g.N + n0 + c] = ActScalar(static_cast<float>(acc[c]) * rs + bias[n0 + c], g.act);
       }
     }
   }
@@ -554,8 +673,10 @@ __attribute__((target("avx2,fma"))) void W8A8Avx2Tile(const Geometry& g, int64_t
   const int64_t nc = ValidCols(n0, g.N);
   for (int r = 0; r < R; ++r) {
     const __m256 rs = _mm256_set1_ps(sx[r]);
-    const __m256 o0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][0]), _mm256_mul_ps(rs, sc0), b0);
-    const __m256 o1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][1]), _mm256_mul_ps(rs, sc1), b1);
+    const __m256 o0 =
+        Act256(_mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][0]), _mm256_mul_ps(rs, sc0), b0), g.act);
+    const __m256 o1 =
+        Act256(_mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][1]), _mm256_mul_ps(rs, sc1), b1), g.act);
     float* yr = y + r * g.N + n0;
     if (nc == kPanel) {
       _mm256_storeu_ps(yr, o0);
@@ -606,11 +727,12 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma"))) void W8A8VnniTil
   for (int si = 0, gi0 = 0; si < s.count; gi0 += s.groups[si], ++si) {
     const int8_t* wp = s.ptr[si];
     const uint8_t* qs = qu + gi0 * 4;
-    const int64_t G = s.groups[si];
+    const int64_t G = s.groups[si], stride = s.stride[si];
+    const __mmask64 wmask = s.mask[si];
     int64_t gi = 0;
     for (; gi + U <= G; gi += U) {
       for (int u = 0; u < U; ++u) {
-        const __m512i wv = _mm512_loadu_si512(wp + (gi + u) * 64);
+        const __m512i wv = _mm512_maskz_loadu_epi8(wmask, wp + (gi + u) * stride);
         for (int r = 0; r < R; ++r) {
           int32_t xv;
           std::memcpy(&xv, qs + r * ldq + (gi + u) * 4, 4);
@@ -619,7 +741,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma"))) void W8A8VnniTil
       }
     }
     for (; gi < G; ++gi) {
-      const __m512i wv = _mm512_loadu_si512(wp + gi * 64);
+      const __m512i wv = _mm512_maskz_loadu_epi8(wmask, wp + gi * stride);
       for (int r = 0; r < R; ++r) {
         int32_t xv;
         std::memcpy(&xv, qs + r * ldq + gi * 4, 4);
@@ -637,7 +759,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma"))) void W8A8VnniTil
     for (int u = 1; u < U; ++u) a = _mm512_add_epi32(a, acc[u][r]);
     a = _mm512_sub_epi32(a, offset);
     const __m512 rs = _mm512_mul_ps(_mm512_set1_ps(sx[r]), sc);
-    _mm512_mask_storeu_ps(y + r * g.N + n0, mask, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), rs, b));
+    _mm512_mask_storeu_ps(y + r * g.N + n0, mask,
+                          Act512(_mm512_fmadd_ps(_mm512_cvtepi32_ps(a), rs, b), g.act));
   }
 }
 
@@ -645,10 +768,9 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma"))) void W8A8Vnni(
     const Geometry& g, int64_t K4, const uint8_t* qu, const float* sx, const int8_t* w,
     const float* scale, const float* bias, const int32_t* colsum, float* y, int64_t p0,
     int64_t p1) {
-  thread_local std::vector<int8_t> scratch;
   for (int64_t p = p0; p < p1; ++p) {
     alignas(64) int8_t tail[4 * kPanel];
-    const Segments s = W8A8Panel(w, g, p, scratch, tail);
+    const Segments s = W8A8PanelInPlace(w, g, p, tail);
     const int64_t n0 = p * kPanel;
     for (int64_t m0 = 0; m0 < g.M; m0 += 8) {
       const uint8_t* qt = qu + m0 * K4 * 4;
@@ -675,6 +797,9 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma"))) void W8A8Vnni(
 
 ffi::Error CheckCommon(const Geometry& g, int64_t path, int64_t n_attr, size_t scale_len,
                        size_t bias_len) {
+  if (g.act < kNone || g.act > kTanh)
+    return ffi::Error::InvalidArgument("actorq int8_dense: activation " + std::to_string(g.act) +
+                                       " is unknown");
   if (!PathSupported(path))
     return ffi::Error::InvalidArgument("actorq int8_dense: path " + std::to_string(path) +
                                        " is unknown or not supported by this CPU");
@@ -688,12 +813,12 @@ int64_t Resolve(int64_t path) { return path == kAuto ? BestPath() : path; }
 
 ffi::Error W8A32Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scale,
                      ffi::Buffer<ffi::F32> bias, ffi::Result<ffi::Buffer<ffi::F32>> y,
-                     int64_t n_attr, int64_t path) {
+                     int64_t n_attr, int64_t path, int64_t act) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || wd[0] != xd[1] || wd[1] != n_attr || n_attr < 1)
     return ffi::Error::InvalidArgument("actorq int8_dense w8a32: expected x [M, K], w [K, N]");
-  Geometry g{xd[0], xd[1], n_attr, (n_attr + kPanel - 1) / kPanel};
+  Geometry g{xd[0], xd[1], n_attr, (n_attr + kPanel - 1) / kPanel, act};
   if (ffi::Error e = CheckCommon(g, path, n_attr, scale.element_count(), bias.element_count());
       e.failure())
     return e;
@@ -715,12 +840,13 @@ ffi::Error W8A32Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buffe
 
 ffi::Error W8A8Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scale,
                     ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::S32> colsum,
-                    ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t n_attr, int64_t path) {
+                    ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t n_attr, int64_t path,
+                    int64_t act) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || wd[0] != xd[1] || wd[1] != n_attr || n_attr < 1)
     return ffi::Error::InvalidArgument("actorq int8_dense w8a8: expected x [M, K], w [K, N]");
-  Geometry g{xd[0], xd[1], n_attr, (n_attr + kPanel - 1) / kPanel};
+  Geometry g{xd[0], xd[1], n_attr, (n_attr + kPanel - 1) / kPanel, act};
   const int64_t K4 = (g.K + 3) / 4;
   if (static_cast<int64_t>(colsum.element_count()) != g.P * kPanel)
     return ffi::Error::InvalidArgument("actorq int8_dense w8a8: colsum length != 16 * panels");
@@ -764,7 +890,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ActorqInt8DenseW8A32, W8A32Impl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("out_features")
-                                  .Attr<int64_t>("path"));
+                                  .Attr<int64_t>("path")
+                                  .Attr<int64_t>("activation"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ActorqInt8DenseW8A8, W8A8Impl,
                               ffi::Ffi::Bind()
@@ -775,10 +902,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ActorqInt8DenseW8A8, W8A8Impl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("out_features")
-                                  .Attr<int64_t>("path"));
+                                  .Attr<int64_t>("path")
+                                  .Attr<int64_t>("activation"));
 
 // Plain C helpers for ctypes.
 extern "C" {
+
+// Version of the handlers' signatures (see kAbiVersion).
+int64_t actorq_abi_version() { return kAbiVersion; }
 
 // Best path this CPU supports: 1 scalar, 2 avx2, 3 avx512.
 int64_t actorq_best_path() { return BestPath(); }

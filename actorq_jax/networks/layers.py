@@ -14,21 +14,35 @@ import jax.numpy as jnp
 
 Initializer = Callable[..., Any]
 
+# Activations a Dense layer can apply itself (the int8 kernel fuses them into its epilogue).
+ACTIVATIONS = {"relu": nn.relu, "elu": nn.elu, "tanh": jnp.tanh}
 
-def apply_dense(x: jnp.ndarray, kernel: Any, bias: Optional[jnp.ndarray]) -> jnp.ndarray:
-    """Computes x @ kernel + bias for a float, half, QuantizedTensor or Int8DenseWeight kernel."""
+
+def activation_fn(name: str) -> Callable[[jnp.ndarray], jnp.ndarray]:
+    """The activation function called `name`."""
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {name!r}; choose one of {sorted(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
+
+
+def apply_dense(x: jnp.ndarray, kernel: Any, bias: Optional[jnp.ndarray], activation: Optional[str] = None) -> jnp.ndarray:
+    """Computes act(x @ kernel + bias) for a float, half, QuantizedTensor or Int8DenseWeight kernel."""
+    if activation is not None:
+        act = activation_fn(activation)
     if isinstance(kernel, jnp.ndarray) or hasattr(kernel, "__array__"):
         y = jnp.dot(x, jnp.asarray(kernel).astype(x.dtype))
-        return y if bias is None else y + bias.astype(x.dtype)
-    # Imported lazily: the float path (the learner's) needs neither module.
-    from actorq_jax import kernels, quantization
+    else:
+        # Imported lazily: the float path (the learner's) needs neither module.
+        from actorq_jax import kernels, quantization
 
-    if isinstance(kernel, kernels.Int8DenseWeight):
-        return kernels.int8_dense(x, kernel, None if bias is None else bias.astype(x.dtype))
-    if isinstance(kernel, quantization.QuantizedTensor):
+        if isinstance(kernel, kernels.Int8DenseWeight):
+            # The kernel applies the activation in its epilogue: no separate XLA op per layer.
+            return kernels.int8_dense(x, kernel, None if bias is None else bias.astype(x.dtype), activation=activation)
+        if not isinstance(kernel, quantization.QuantizedTensor):
+            raise TypeError(f"Dense kernel of unsupported type {type(kernel).__name__}")
         y = jnp.dot(x, quantization.dequantize_tensor(kernel).astype(x.dtype))
-        return y if bias is None else y + bias.astype(x.dtype)
-    raise TypeError(f"Dense kernel of unsupported type {type(kernel).__name__}")
+    y = y if bias is None else y + bias.astype(x.dtype)
+    return y if activation is None else act(y)
 
 
 class Dense(nn.Module):
@@ -37,6 +51,7 @@ class Dense(nn.Module):
     features: int
     use_bias: bool = True
     kernel_init: Initializer = nn.initializers.lecun_normal()
+    activation: Optional[str] = None  # "relu", "elu" or "tanh", applied to the output
 
     @nn.compact
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
@@ -48,4 +63,4 @@ class Dense(nn.Module):
         else:
             kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features), jnp.float32)
             bias = self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32) if self.use_bias else None
-        return apply_dense(x, kernel, bias)
+        return apply_dense(x, kernel, bias, self.activation)

@@ -1,20 +1,12 @@
 """Network modules for D4PG (policy, distributional critic) and DQN (Q-network)."""
 
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from actorq_jax.networks.layers import Dense
-
-_ACTIVATIONS = {"relu": nn.relu, "elu": nn.elu, "tanh": jnp.tanh}
-
-
-def _activation(name: str) -> Callable[[jnp.ndarray], jnp.ndarray]:
-    if name not in _ACTIVATIONS:
-        raise ValueError(f"unknown activation {name!r}; choose one of {sorted(_ACTIVATIONS)}")
-    return _ACTIVATIONS[name]
+from actorq_jax.networks.layers import Dense, activation_fn
 
 
 class MLP(nn.Module):
@@ -27,15 +19,17 @@ class MLP(nn.Module):
 
     @nn.compact
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
-        act = _activation(self.activation)
+        activation_fn(self.activation)  # fails early, naming a bad activation
         for i, size in enumerate(self.layer_sizes):
-            x = Dense(size, name=f"Dense_{i}")(x)
             last = i == len(self.layer_sizes) - 1
             if i == 0 and self.layer_norm:
                 # Normalising the first layer keeps the scale of raw observations out of the rest.
+                x = Dense(size, name=f"Dense_{i}")(x)
                 x = jnp.tanh(nn.LayerNorm(name="LayerNorm_0")(x))
-            elif not last or self.activate_final:
-                x = act(x)
+            else:
+                # The activation goes into the layer, where the int8 kernel fuses it.
+                act = self.activation if not last or self.activate_final else None
+                x = Dense(size, activation=act, name=f"Dense_{i}")(x)
         return x
 
 
@@ -54,7 +48,7 @@ class PolicyNetwork(nn.Module):
         x = MLP(self.layer_sizes, self.activation, self.layer_norm, name="torso")(observation)
         # A tiny head keeps the initial policy near the centre of the action range (as in Acme).
         head_init = nn.initializers.variance_scaling(1e-4, "fan_in", "uniform")
-        x = jnp.tanh(Dense(self.action_dim, kernel_init=head_init, name="head")(x))
+        x = Dense(self.action_dim, kernel_init=head_init, activation="tanh", name="head")(x)
         if self.action_minimum is None or self.action_maximum is None:
             return x
         low = jnp.asarray(self.action_minimum, jnp.float32)
