@@ -298,37 +298,8 @@ struct Segments {
   int count;
 };
 
-// Panel p of a W8A8 weight; `tail` (64 bytes) receives the padded last group when K % 4 != 0.
-Segments W8A8Panel(const int8_t* w, const Geometry& g, int64_t p, std::vector<int8_t>& scratch,
-                   int8_t* tail) {
-  const int8_t* base = w + p * kPanel * g.K;
-  const int64_t width = ValidCols(p * kPanel, g.N);
-  const int64_t G = g.K / 4, rem = g.K % 4;
-  Segments s{{base, nullptr}, {G, 0}, {4 * kPanel, 4 * kPanel}, {~uint64_t{0}, ~uint64_t{0}}, 1};
-  if (width == kPanel) {
-    if (rem) {
-      std::memset(tail, 0, 4 * kPanel);
-      for (int64_t j = 0; j < rem; ++j)
-        for (int64_t c = 0; c < kPanel; ++c) tail[c * 4 + j] = base[G * 4 * kPanel + j * kPanel + c];
-      s.ptr[1] = tail;
-      s.groups[1] = 1;
-      s.count = 2;
-    }
-    return s;
-  }
-  const int64_t K4 = G + (rem ? 1 : 0);
-  scratch.assign(static_cast<size_t>(K4 * 4 * kPanel), 0);
-  for (int64_t gi = 0; gi < G; ++gi)
-    std::memcpy(&scratch[gi * 4 * kPanel], base + gi * 4 * width, 4 * width);
-  for (int64_t j = 0; j < rem; ++j)
-    for (int64_t c = 0; c < width; ++c) scratch[G * 4 * kPanel + c * 4 + j] = base[G * 4 * width + j * width + c];
-  s.ptr[0] = scratch.data();
-  s.groups[0] = K4;
-  return s;
-}
-
 // Panel p of a W8A8 weight for the VNNI path: a narrow panel is read in place
-// (masked loads), only its last partial group of 4 k goes through `tail`.
+// (masked loads), only its last partial group of 4 k goes through `tail` (64 bytes).
 Segments W8A8PanelInPlace(const int8_t* w, const Geometry& g, int64_t p, int8_t* tail) {
   const int8_t* base = w + p * kPanel * g.K;
   const int64_t width = ValidCols(p * kPanel, g.N);
@@ -345,6 +316,23 @@ Segments W8A8PanelInPlace(const int8_t* w, const Geometry& g, int64_t p, int8_t*
     s.count = 2;
   }
   return s;
+}
+
+// Panel p of a W8A8 weight as full 64-byte groups (the AVX2 and scalar paths):
+// a narrow panel is copied zero-padded into `scratch`.
+Segments W8A8Panel(const int8_t* w, const Geometry& g, int64_t p, std::vector<int8_t>& scratch,
+                   int8_t* tail) {
+  const int64_t width = ValidCols(p * kPanel, g.N);
+  if (width == kPanel) return W8A8PanelInPlace(w, g, p, tail);
+  const int8_t* base = w + p * kPanel * g.K;
+  const int64_t G = g.K / 4, rem = g.K % 4, K4 = G + (rem ? 1 : 0);
+  scratch.assign(static_cast<size_t>(K4 * 4 * kPanel), 0);
+  for (int64_t gi = 0; gi < G; ++gi)
+    std::memcpy(&scratch[gi * 4 * kPanel], base + gi * 4 * width, 4 * width);
+  for (int64_t j = 0; j < rem; ++j)
+    for (int64_t c = 0; c < width; ++c) scratch[G * 4 * kPanel + c * 4 + j] = base[G * 4 * width + j * width + c];
+  const uint64_t full = ~uint64_t{0};
+  return Segments{{scratch.data(), nullptr}, {K4, 0}, {4 * kPanel, 4 * kPanel}, {full, full}, 1};
 }
 
 // ---------------------------------------------------------------------------
