@@ -133,6 +133,38 @@ def test_fused_activations_match_reference(path, mode):
                 assert np.abs(y).max() <= 1.0
 
 
+@pytest.mark.parametrize("path", KERNEL_PATHS)
+def test_layer_norm_matches_flax(path):
+    import flax.linen as nn
+
+    rng = np.random.default_rng(12)
+    for M, N in [(1, 1), (1, 7), (3, 16), (5, 33), (64, 100), (1, 2048)]:
+        x = (rng.normal(size=(M, N)) * 5 + 2).astype(np.float32)
+        scale, bias = rng.normal(size=N).astype(np.float32), rng.normal(size=N).astype(np.float32)
+        norm = nn.LayerNorm(epsilon=1e-5)
+        flax_y = np.asarray(norm.apply({"params": {"scale": scale, "bias": bias}}, x))
+        np.testing.assert_allclose(np.asarray(kernels.reference_layer_norm(x, scale, bias, 1e-5)), flax_y, atol=1e-6)
+        for activation in (None, "tanh", "elu"):
+            fn = jax.jit(lambda v: kernels.layer_norm(v, scale, bias, epsilon=1e-5, activation=activation, path=path))
+            y = np.asarray(fn(x))
+            ref = np.asarray(kernels.reference_layer_norm(x, scale, bias, 1e-5, activation))
+            np.testing.assert_allclose(y, ref, rtol=0, atol=2e-6 * max(1.0, float(np.abs(ref).max())),
+                                       err_msg=f"{path} {activation} {(M, N)}")
+        assert kernels.layer_norm(x[0], scale, bias).shape == (N,)
+
+
+def test_layer_norm_bad_inputs_raise_value_error():
+    x, ones = np.ones((2, 8), np.float32), np.ones(8, np.float32)
+    with pytest.raises(ValueError, match="float32"):
+        kernels.layer_norm(x.astype(np.float64), ones, ones)
+    with pytest.raises(ValueError, match=r"scale must be float32 of shape \(8,\)"):
+        kernels.layer_norm(x, ones[:7], ones)
+    with pytest.raises(ValueError, match="epsilon"):
+        kernels.layer_norm(x, ones, ones, epsilon=-1.0)
+    with pytest.raises(ValueError, match="'swish'"):
+        kernels.layer_norm(x, ones, ones, activation="swish")
+
+
 def test_unknown_activation_is_refused():
     rng = np.random.default_rng(11)
     x, w, bias, _, _ = _case(rng, 2, 8, 16, "w8a8")
@@ -335,6 +367,7 @@ def test_pack_params_and_int8_policy(activation, layer_norm):
         torso = 2 if layer_norm else 3  # Dense_0 -> LayerNorm -> tanh stays in jnp
         assert hlo.count(f"activation = {code} : i64") == torso + (head_int8 and activation == "tanh"), hlo
         assert hlo.count("activation = 3 : i64") >= int(head_int8)  # the head's tanh
+        assert ("actorq_layer_norm" in hlo) == layer_norm
 
     # Asymmetric tensors are dequantized to float32; other leaves pass through.
     asym = quantize(params, QuantConfig(bits=8, symmetric=False))

@@ -14,10 +14,12 @@ from actorq_jax.kernels import _library
 from actorq_jax.kernels.dense import (
     Int8DenseWeight,
     int8_dense,
+    layer_norm,
     pack_dense,
     pack_params,
     quantize_rows,
     reference_int8_dense,
+    reference_layer_norm,
 )
 
 
@@ -59,6 +61,8 @@ __all__ = [
     "pack_dense",
     "int8_dense",
     "reference_int8_dense",
+    "layer_norm",
+    "reference_layer_norm",
     "quantize_rows",
     "pack_params",
     "kernel_available",

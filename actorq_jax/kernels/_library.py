@@ -17,13 +17,14 @@ ENV_PATH = "ACTORQ_KERNEL_PATH"  # default instruction-set path: auto|scalar|avx
 
 TARGET_W8A32 = "actorq_int8_dense_w8a32"
 TARGET_W8A8 = "actorq_int8_dense_w8a8"
+TARGET_LAYER_NORM = "actorq_layer_norm"
 
 # Path names <-> the integer codes the C++ handlers take as the "path" attribute.
 PATH_CODES = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3}
 PATH_NAMES = {code: name for name, code in PATH_CODES.items()}
 
 # The handlers' signature version this Python code speaks (kAbiVersion in int8_dense.cc).
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 
 class _State:
@@ -74,6 +75,7 @@ def _load() -> _State:
 
         jffi.register_ffi_target(TARGET_W8A32, jffi.pycapsule(lib.ActorqInt8DenseW8A32), platform="cpu")
         jffi.register_ffi_target(TARGET_W8A8, jffi.pycapsule(lib.ActorqInt8DenseW8A8), platform="cpu")
+        jffi.register_ffi_target(TARGET_LAYER_NORM, jffi.pycapsule(lib.ActorqLayerNorm), platform="cpu")
     except (OSError, AttributeError, RuntimeError, TypeError, ValueError) as exc:
         state.reason = f"cannot load {path}: {exc}"
         return state

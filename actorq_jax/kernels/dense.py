@@ -262,6 +262,61 @@ def int8_dense(
     return y.reshape(lead + (N,))
 
 
+def reference_layer_norm(
+    x: jnp.ndarray, scale: jnp.ndarray, bias: jnp.ndarray, epsilon: float = 1e-6, activation: Optional[str] = None
+) -> jnp.ndarray:
+    """flax.linen.LayerNorm's math over the last axis (fast variance), then the activation."""
+    _check_activation(activation)
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.maximum(0.0, jnp.mean(jnp.square(x), axis=-1, keepdims=True) - jnp.square(mean))
+    y = (x - mean) * (scale * jax.lax.rsqrt(var + epsilon)) + bias
+    return y if activation is None else ACTIVATIONS[activation](y)
+
+
+def layer_norm(
+    x: jnp.ndarray,
+    scale: jnp.ndarray,
+    bias: jnp.ndarray,
+    *,
+    epsilon: float = 1e-6,
+    activation: Optional[str] = None,
+    path: Optional[str] = None,
+) -> jnp.ndarray:
+    """``act(LayerNorm(x) * scale + bias)`` over the last axis as one CPU kernel call (jit-compatible)."""
+    path = _default_path() if path is None else path
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    _check_activation(activation)
+    x_dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype  # before jnp silently casts float64
+    if x_dtype != jnp.float32 or np.ndim(x) < 1 or np.shape(x)[-1] < 1:
+        raise ValueError(f"x must be float32 of shape [..., N >= 1], got {x_dtype} {tuple(np.shape(x))}")
+    x = jnp.asarray(x)
+    N = x.shape[-1]
+    for name, v in (("scale", scale), ("bias", bias)):
+        if jnp.result_type(v) != jnp.float32 or tuple(np.shape(v)) != (N,):
+            raise ValueError(f"{name} must be float32 of shape ({N},), got {jnp.result_type(v)} {tuple(np.shape(v))}")
+    if not epsilon >= 0:
+        raise ValueError(f"epsilon must be >= 0, got {epsilon!r}")
+    if path == "reference":
+        return reference_layer_norm(x, scale, bias, epsilon, activation)
+    state = _library.state()
+    if state.lib is None:
+        _warn_fallback_once(state.reason)
+        return reference_layer_norm(x, scale, bias, epsilon, activation)
+    if not _library.path_supported(path):
+        raise ValueError(f"kernel path {path!r} is not supported by this CPU (best: {_library.best_path()})")
+    lead = tuple(x.shape[:-1])
+    M = math.prod(lead)
+    if M == 0:
+        return jnp.zeros(x.shape, jnp.float32)
+    from jax.extend import ffi as jffi
+
+    y = jffi.ffi_call(_library.TARGET_LAYER_NORM, jax.ShapeDtypeStruct((M, N), jnp.float32),
+                      x.reshape(M, N), jnp.asarray(scale), jnp.asarray(bias), epsilon=np.float32(epsilon),
+                      activation=_ACTIVATION_CODES[activation], path=_library.PATH_CODES[path])
+    return y.reshape(x.shape)
+
+
 def pack_params(qparams: Any, mode: str = "w8a32") -> Any:
     """Replaces symmetric 2-D QuantizedTensor leaves (bits <= 8) by Int8DenseWeight; asymmetric ones become float32."""
     from actorq_jax import quantization

@@ -25,12 +25,27 @@ class MLP(nn.Module):
             if i == 0 and self.layer_norm:
                 # Normalising the first layer keeps the scale of raw observations out of the rest.
                 x = Dense(size, name=f"Dense_{i}")(x)
-                x = jnp.tanh(nn.LayerNorm(name="LayerNorm_0")(x))
+                norm = nn.LayerNorm(name="LayerNorm_0")
+                if self._runs_int8_kernels():
+                    # Same math as one kernel call: XLA's fusions between int8 calls cost more than the layer.
+                    from actorq_jax import kernels
+
+                    p = self.variables["params"]["LayerNorm_0"]
+                    x = kernels.layer_norm(x, p["scale"], p["bias"], epsilon=norm.epsilon, activation="tanh")
+                else:
+                    x = jnp.tanh(norm(x))
             else:
                 # The activation goes into the layer, where the int8 kernel fuses it.
                 act = self.activation if not last or self.activate_final else None
                 x = Dense(size, activation=act, name=f"Dense_{i}")(x)
         return x
+
+    def _runs_int8_kernels(self) -> bool:
+        """Whether the first layer's weights are packed for the int8 kernel (an int8 actor's params)."""
+        from actorq_jax import kernels
+
+        first = self.variables.get("params", {}).get("Dense_0", {})
+        return isinstance(first.get("kernel"), kernels.Int8DenseWeight)
 
 
 class PolicyNetwork(nn.Module):
