@@ -73,6 +73,18 @@ def test_pack_roundtrip_and_exact_size():
                 assert K == 1 or N < 16 or not np.array_equal(np.asarray(w.packed), values)
 
 
+def test_c_packing_equals_numpy_packing():
+    from actorq_jax.kernels import dense
+
+    rng = np.random.default_rng(13)
+    for K, N in [(1, 1), (3, 17), (4, 16), (5, 33), (37, 45), (64, 250), (130, 129)]:
+        values = rng.integers(-128, 128, size=(K, N)).astype(np.int8)
+        for mode in ("w8a32", "w8a8"):
+            packed, colsum = dense._pack_panels(values, mode)  # the library's one-pass repack
+            np.testing.assert_array_equal(packed, dense._to_panels(values, mode), err_msg=f"{mode} {(K, N)}")
+            np.testing.assert_array_equal(colsum, dense._column_sums(values))
+
+
 @pytest.mark.parametrize("path", KERNEL_PATHS)
 def test_w8a32_matches_reference(path):
     rng = np.random.default_rng(1)

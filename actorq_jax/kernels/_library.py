@@ -24,7 +24,7 @@ PATH_CODES = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3}
 PATH_NAMES = {code: name for name, code in PATH_CODES.items()}
 
 # The handlers' signature version this Python code speaks (kAbiVersion in int8_dense.cc).
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 
 class _State:
@@ -68,6 +68,9 @@ def _load() -> _State:
             fn = getattr(lib, name)
             fn.argtypes = argtypes
             fn.restype = None if name == "actorq_set_num_threads" else ctypes.c_int64
+        lib.actorq_pack_panels.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                           ctypes.c_void_p, ctypes.c_void_p]
+        lib.actorq_pack_panels.restype = None
         if lib.actorq_abi_version() != ABI_VERSION:
             raise ValueError(f"it speaks version {lib.actorq_abi_version()} of the kernel interface, "
                              f"this code needs {ABI_VERSION} (rebuild: python -m actorq_jax.kernels.build)")

@@ -103,6 +103,27 @@ def _to_panels(values: np.ndarray, mode: str) -> np.ndarray:
     return np.ascontiguousarray(np.concatenate(parts))
 
 
+def _column_sums(values: np.ndarray) -> np.ndarray:
+    """Column sums of int8 [K, N], zero-padded to whole panels (int32)."""
+    N = values.shape[1]
+    colsum = np.zeros(-(-N // PANEL) * PANEL, np.int32)
+    colsum[:N] = values.astype(np.int32).sum(axis=0)
+    return colsum
+
+
+def _pack_panels(values: np.ndarray, mode: str) -> tuple:
+    """(flat panel layout, column sums) of int8 [K, N]: one C pass when the library is built, else numpy."""
+    lib = _library.state().lib
+    if lib is None:
+        return _to_panels(values, mode), _column_sums(values)
+    K, N = values.shape
+    values = np.ascontiguousarray(values)
+    packed = np.empty(K * N, np.int8)
+    colsum = np.empty(-(-N // PANEL) * PANEL, np.int32)
+    lib.actorq_pack_panels(values.ctypes.data, K, N, int(mode == "w8a8"), packed.ctypes.data, colsum.ctypes.data)
+    return packed, colsum
+
+
 def pack_dense(values: Any, scale: Any, mode: str = "w8a32") -> Int8DenseWeight:
     """Repacks int8 weights ``[K, N]`` and their scale ((N,) or ()) into an Int8DenseWeight."""
     if mode not in MODES:
@@ -119,10 +140,9 @@ def pack_dense(values: Any, scale: Any, mode: str = "w8a32") -> Int8DenseWeight:
     if scale.shape not in ((), (N,)):
         raise ValueError(f"scale must have shape () or ({N},), got {scale.shape}")
     scale = np.broadcast_to(scale.astype(np.float32), (N,)).copy()
-    colsum = np.zeros(-(-N // PANEL) * PANEL, np.int32)
-    colsum[:N] = values.astype(np.int32).sum(axis=0)
+    packed, colsum = _pack_panels(values, mode)
     return Int8DenseWeight(
-        packed=jnp.asarray(_to_panels(values, mode).reshape(K, N)),
+        packed=jnp.asarray(packed.reshape(K, N)),
         scale=jnp.asarray(scale),
         colsum=jnp.asarray(colsum),
         in_features=int(K),

@@ -49,7 +49,7 @@ enum Path : int64_t { kAuto = 0, kScalar = 1, kAvx2 = 2, kAvx512 = 3 };
 enum Activation : int64_t { kNone = 0, kRelu = 1, kElu = 2, kTanh = 3 };
 
 // Bumped whenever the handlers' attributes change, so Python can refuse a stale library.
-constexpr int64_t kAbiVersion = 3;
+constexpr int64_t kAbiVersion = 4;
 
 #if ACTORQ_X86
 bool CpuHasAvx2() {
@@ -1044,6 +1044,32 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ActorqLayerNorm, LayerNormImpl,
 
 // Plain C helpers for ctypes.
 extern "C" {
+
+// Repacks row-major int8 weights [K, N] into the panel layout described above
+// W8A32Panel (w8a8 != 0: the W8A8 layout) and writes their zero-padded column
+// sums (16 * ceil(N / 16) entries). One pass in place of numpy's transposes:
+// actors repack at every variable refresh.
+void actorq_pack_panels(const int8_t* src, int64_t K, int64_t N, int64_t w8a8, int8_t* dst,
+                        int32_t* colsum) {
+  const int64_t P = (N + kPanel - 1) / kPanel, G = K / 4;
+  std::memset(colsum, 0, sizeof(int32_t) * P * kPanel);
+  for (int64_t k = 0; k < K; ++k) {
+    const int8_t* row = src + k * N;
+    for (int64_t n = 0; n < N; ++n) colsum[n] += row[n];
+    for (int64_t p = 0; p < P; ++p) {
+      const int64_t n0 = p * kPanel, width = ValidCols(n0, N);
+      int8_t* base = dst + n0 * K;
+      if (!w8a8) {
+        std::memcpy(base + k * width, row + n0, width);
+      } else if (k < 4 * G) {
+        int8_t* out = base + (k / 4) * 4 * width + (k % 4);
+        for (int64_t c = 0; c < width; ++c) out[c * 4] = row[n0 + c];
+      } else {
+        std::memcpy(base + G * 4 * width + (k - 4 * G) * width, row + n0, width);
+      }
+    }
+  }
+}
 
 // Version of the handlers' signatures (see kAbiVersion).
 int64_t actorq_abi_version() { return kAbiVersion; }
