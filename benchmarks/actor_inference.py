@@ -26,6 +26,7 @@ BATCHES = (1, 8, 64)
 THREADS = (1, 2)
 OBS_DIM, ACTION_DIM = 24, 6
 VARIANTS = ("fp32", "w8a32", "w8a8")
+WORKER_TIMEOUT_S = 900  # a full run's worker takes well under a minute; a hang must not stall the run
 
 
 def _xla_flags(threads: int) -> str:
@@ -105,7 +106,11 @@ def _run_worker(threads: int, quick: bool) -> list:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", str(threads)]
     if quick:
         cmd.append("--quick")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False, timeout=WORKER_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        print(f"worker with {threads} thread(s) did not finish within {WORKER_TIMEOUT_S} s", file=sys.stderr)
+        return []
     if proc.returncode != 0:
         print(f"worker with {threads} thread(s) failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
         return []

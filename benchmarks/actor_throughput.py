@@ -3,7 +3,8 @@
 The actor is the one every run uses (`python -m actorq_jax.launch.actor`): walker_walk,
 a D4PG 2048x3 policy, n-step adder into Reverb, variables refreshed every 100 env
 steps in the background while this process publishes a new version every
---publish_every seconds (as a learner would). Each trial starts one actor process
+--publish_every seconds (as a learner would; the default 0.05 s outpaces both
+actors, so every refresh pulls, deserializes and loads a new version). Each trial starts one actor process
 per backend, in alternating order, held to one thread; the actor runs --episodes
 episodes of 1000 steps and the first is dropped (jit compilation, first pull).
 steps/s = episode steps / episode wall time, median over the kept episodes of all
@@ -109,7 +110,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="one trial of 2 episodes per backend")
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--episodes", type=int, default=3, help="episodes per actor (the first is dropped)")
-    parser.add_argument("--publish_every", type=float, default=0.5, help="seconds between published versions")
+    parser.add_argument("--publish_every", type=float, default=0.05, help="seconds between published versions")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     trials, episodes = (1, 2) if args.quick else (args.trials, args.episodes)

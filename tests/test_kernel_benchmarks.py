@@ -1,0 +1,45 @@
+"""The int8 benchmarks run end to end (--quick) and report every case and the headline keys BENCHMARKS.md names."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(script: str, json_path, timeout_s: int) -> dict:
+    proc = subprocess.run([sys.executable, f"benchmarks/{script}", "--quick", "--json", str(json_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(json_path.read_text())
+
+
+@pytest.mark.timeout(420)
+def test_actor_inference_quick(tmp_path):
+    result = _run("actor_inference.py", tmp_path / "inference.json", 400)
+    assert result["benchmark"] == "actor_inference" and result["machine"]["cores"] >= 1
+    cases = {(r["hidden"], r["batch"], r["threads"]) for r in result["rows"]}
+    assert cases == {(h, b, t) for h in (256, 2048, 4096) for b in (1, 8, 64) for t in (1, 2)}
+    for row in result["rows"]:
+        assert min(row["fp32_us"], row["w8a32_us"], row["w8a8_us"]) > 0
+        assert row["speedup_w8a8"] == pytest.approx(row["fp32_us"] / row["w8a8_us"], rel=0.02)
+    assert set(result["headline"]) == {"speedup_256x3_b1_t1", "speedup_2048x3_b1_t1", "speedup_4096x3_b1_t1",
+                                       "speedup_2048x3_b1_t2"}
+    assert all(v > 0 for v in result["headline"].values())
+
+
+@pytest.mark.timeout(600)
+def test_actor_throughput_quick(tmp_path):
+    # Two real actor processes (fp32, then int8) against a real Reverb server, one episode measured each.
+    result = _run("actor_throughput.py", tmp_path / "throughput.json", 580)
+    rows = {r["backend"]: r for r in result["rows"]}
+    assert set(rows) == {"fp32", "int8"}
+    for row in rows.values():
+        assert row["episodes_measured"] == 1 and row["median_steps_per_s"] > 0
+        # Every refresh loads a new version, so both actors spent time pulling and loading.
+        assert row["inference_ms_per_step"] > 0 and row["pull_ms_per_step"] > 0
+    speedup = result["headline"]["steps_per_s_speedup_int8"]
+    assert speedup == pytest.approx(rows["int8"]["median_steps_per_s"] / rows["fp32"]["median_steps_per_s"], rel=1e-6)
