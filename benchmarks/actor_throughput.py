@@ -8,7 +8,8 @@ actors, so every refresh pulls, deserializes and loads a new version). Each tria
 per backend, in alternating order, held to one thread; the actor runs --episodes
 episodes of 1000 steps and the first is dropped (jit compilation, first pull).
 steps/s = episode steps / episode wall time, median over the kept episodes of all
-trials; the headline is the median of the per-trial int8/fp32 ratios.
+trials; the headline is the median of the per-trial int8/fp32 ratios. A third
+actor runs 4-bit weights (int4: the int8 backend's W4A8 packing) for comparison.
 
     python benchmarks/actor_throughput.py [--quick] [--json PATH]
 """
@@ -75,7 +76,7 @@ def _serve(backend: str, bits: int, publish_every: float, stop: threading.Event,
     return server, thread
 
 
-def _trial(backend: str, bits: int, episodes: int, publish_every: float) -> list:
+def _trial(backend: str, bits: int, episodes: int, publish_every: float) -> tuple:
     """Runs one actor process; returns steps/s of each episode after the first."""
     stop = threading.Event()
     with tempfile.TemporaryDirectory() as tmp:
@@ -114,30 +115,34 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     trials, episodes = (1, 2) if args.quick else (args.trials, args.episodes)
-    cases = (("fp32", 32), ("int8", 8))
-    rates = {name: [] for name, _ in cases}
-    phases = {name: [] for name, _ in cases}
-    ratios = []
+    cases = (("fp32", "fp32", 32), ("int8", "int8", 8), ("int4", "int8", 4))  # (name, backend, bits)
+    rates = {name: [] for name, _, _ in cases}
+    phases = {name: [] for name, _, _ in cases}
+    ratios = {name: [] for name in ("int8", "int4")}
     for trial in range(trials):
         order = cases if trial % 2 == 0 else cases[::-1]
         per_trial = {}
-        for name, bits in order:
-            per_trial[name], trial_phases = _trial(name, bits, episodes, args.publish_every)
+        for name, backend, bits in order:
+            per_trial[name], trial_phases = _trial(backend, bits, episodes, args.publish_every)
             rates[name] += per_trial[name]
             phases[name].append(trial_phases)
-        ratios.append(statistics.median(per_trial["int8"]) / statistics.median(per_trial["fp32"]))
+        for name in ratios:
+            ratios[name].append(statistics.median(per_trial[name]) / statistics.median(per_trial["fp32"]))
     rows = [{"backend": name, "bits": bits, "median_steps_per_s": statistics.median(rates[name]),
              "episodes_measured": len(rates[name]),
+             "speedup_vs_fp32": statistics.median(ratios[name]) if name in ratios else 1.0,
              **{f"{p}_ms_per_step": statistics.median(t[p] for t in phases[name]) for p in PHASES}}
-            for name, bits in cases]
-    headline = {"steps_per_s_speedup_int8": statistics.median(ratios)}
+            for name, _, bits in cases]
+    headline = {"steps_per_s_speedup_int8": statistics.median(ratios["int8"])}
     print(f"actor_throughput: one actor process, {TASK}, policy {'x'.join(map(str, LAYERS))}, "
           f"refresh every 100 steps, {trials} trial(s)")
     print(f"{'backend':>8} {'bits':>5} {'steps/s':>10} {'episodes':>9}  ms/step: " + " ".join(f"{p:>11}" for p in PHASES))
     for row in rows:
         print(f"{row['backend']:>8} {row['bits']:>5} {row['median_steps_per_s']:>10.1f} {row['episodes_measured']:>9}  "
               + "         " + " ".join(f"{row[p + '_ms_per_step']:>11.3f}" for p in PHASES))
-    print(f"headline: steps_per_s_speedup_int8={headline['steps_per_s_speedup_int8']:.2f} (per-trial ratios {[round(r, 2) for r in ratios]})")
+    print(f"headline: steps_per_s_speedup_int8={headline['steps_per_s_speedup_int8']:.2f} "
+          f"(per-trial ratios {[round(r, 2) for r in ratios['int8']]}); "
+          f"int4/fp32 {statistics.median(ratios['int4']):.2f} (per trial {[round(r, 2) for r in ratios['int4']]})")
     if args.json:
         from actorq_jax.telemetry.machine import machine_info
 

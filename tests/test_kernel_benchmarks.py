@@ -24,7 +24,7 @@ def test_actor_inference_quick(tmp_path):
     cases = {(r["hidden"], r["batch"], r["threads"]) for r in result["rows"]}
     assert cases == {(h, b, t) for h in (256, 2048, 4096) for b in (1, 8, 64) for t in (1, 2)}
     for row in result["rows"]:
-        assert min(row["fp32_us"], row["w8a32_us"], row["w8a8_us"]) > 0
+        assert min(row["fp32_us"], row["w8a32_us"], row["w8a8_us"], row["w4a8_us"]) > 0
         assert row["speedup_w8a8"] == pytest.approx(row["fp32_us"] / row["w8a8_us"], rel=0.02)
     assert set(result["headline"]) == {"speedup_256x3_b1_t1", "speedup_2048x3_b1_t1", "speedup_4096x3_b1_t1",
                                        "speedup_2048x3_b1_t2"}
@@ -36,7 +36,7 @@ def test_actor_throughput_quick(tmp_path):
     # Two real actor processes (fp32, then int8) against a real Reverb server, one episode measured each.
     result = _run("actor_throughput.py", tmp_path / "throughput.json", 580)
     rows = {r["backend"]: r for r in result["rows"]}
-    assert set(rows) == {"fp32", "int8"}
+    assert set(rows) == {"fp32", "int8", "int4"} and rows["int4"]["bits"] == 4
     for row in rows.values():
         assert row["episodes_measured"] == 1 and row["median_steps_per_s"] > 0
         # Every refresh loads a new version, so both actors spent time pulling and loading.

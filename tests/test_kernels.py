@@ -117,13 +117,42 @@ def test_w8a8_matches_reference(path):
 
 
 @pytest.mark.parametrize("path", KERNEL_PATHS)
-@pytest.mark.parametrize("mode", ["w8a32", "w8a8"])
+def test_w4a8_matches_reference_and_equals_w8a8(path):
+    rng = np.random.default_rng(14)
+    fn = jax.jit(lambda x, w, b: int8_dense(x, w, b, path=path))
+    for batch, K, N in SHAPES + [(1, 2048, 6)]:
+        values = rng.integers(-8, 8, size=(K, N)).astype(np.int8)
+        scale = rng.uniform(1e-3, 2e-2, size=N).astype(np.float32)
+        bias = rng.normal(size=N).astype(np.float32)
+        x = rng.normal(size=(batch, K)).astype(np.float32)
+        x[0, :] = 0.0  # an all-zero row must give the bias
+        w4 = pack_dense(values, scale, "w4a8")
+        assert w4.packed.dtype == jnp.int8 and w4.packed.shape == (-(-K // 8) * 4, -(-N // 16) * 16)
+        np.testing.assert_array_equal(np.asarray(w4.unpack()), values)
+        y = np.asarray(fn(x, w4, bias))
+        np.testing.assert_array_equal(y[0], bias)
+        assert _max_rel_err(y, reference_int8_dense(x, w4, bias)) < 1e-5, (path, batch, K, N)
+        # The same integers as W8A8 on the same weights: identical outputs on the same path.
+        np.testing.assert_array_equal(y, np.asarray(fn(x, pack_dense(values, scale, "w8a8"), bias)))
+
+
+def test_w4a8_refuses_values_beyond_four_bits():
+    values = np.full((8, 16), 7, np.int8)
+    values[3, 5] = 9
+    with pytest.raises(ValueError, match=r"\[-8, 7\], got \[7, 9\]"):
+        pack_dense(values, np.ones(16, np.float32), "w4a8")
+
+
+@pytest.mark.parametrize("path", KERNEL_PATHS)
+@pytest.mark.parametrize("mode", ["w8a32", "w8a8", "w4a8"])
 def test_fused_activations_match_reference(path, mode):
     rng = np.random.default_rng(10)
     for activation in ("relu", "elu", "tanh"):
         fn = jax.jit(lambda x, w, b: int8_dense(x, w, b, path=path, activation=activation))
         for batch, K, N in SHAPES[::2] + [(1, 2048, 6), (3, 64, 70)]:
-            x, w, bias, _, _ = _case(rng, batch, K, N, mode)
+            x, w, bias, values, scale = _case(rng, batch, K, N, "w8a8" if mode == "w4a8" else mode)
+            if mode == "w4a8":
+                w = pack_dense(np.clip(values, -8, 7), scale, "w4a8")
             # Pre-activations from about -50 to 50, and many near 0 (where elu and tanh bend).
             bias = (bias * np.where(np.arange(N) % 2 == 0, 20.0, 0.01)).astype(np.float32)
             ref = np.asarray(reference_int8_dense(x, w, bias, activation))
@@ -134,7 +163,7 @@ def test_fused_activations_match_reference(path, mode):
             pre_scale = float(np.abs(reference_int8_dense(x, w, bias)).max())
             np.testing.assert_allclose(y, ref, rtol=0, atol=1e-5 * pre_scale + 1e-6,
                                        err_msg=f"{path} {mode} {activation} {(batch, K, N)}")
-            if mode == "w8a8" and path != "scalar":
+            if mode != "w8a32" and path != "scalar":
                 # Integer accumulation: the pre-activations equal the scalar path's up to the final
                 # fma, so this isolates the SIMD exp approximation against libm's expm1 / tanh.
                 libm = np.asarray(int8_dense(x, w, bias, path="scalar", activation=activation))
@@ -175,6 +204,25 @@ def test_layer_norm_bad_inputs_raise_value_error():
         kernels.layer_norm(x, ones, ones, epsilon=-1.0)
     with pytest.raises(ValueError, match="'swish'"):
         kernels.layer_norm(x, ones, ones, activation="swish")
+
+
+def test_actor_loader_packs_by_bits():
+    from actorq_jax.launch.precision import ActorPrecision, make_param_loader
+    from actorq_jax.networks import PolicyNetwork
+    from actorq_jax.quantization import QuantConfig, quantize
+
+    net = PolicyNetwork(action_dim=6, layer_sizes=(64, 64), activation="elu", layer_norm=True)
+    obs = np.random.default_rng(15).normal(size=(4, 24)).astype(np.float32)
+    params = net.init(jax.random.PRNGKey(0), obs)
+    expected = {(8, "w8a8"): "w8a8", (4, "w8a8"): "w4a8", (3, "w8a8"): "w4a8", (4, "w8a32"): "w8a32"}
+    for (bits, int8_mode), mode in expected.items():
+        precision = ActorPrecision(actor_bits=bits, comm_bits=bits, backend="int8", int8_mode=int8_mode)
+        wire = quantize(params, QuantConfig(bits=bits))
+        loaded = make_param_loader(precision)(wire)
+        kernel = loaded["params"]["torso"]["Dense_1"]["kernel"]
+        assert isinstance(kernel, Int8DenseWeight) and kernel.mode == mode, (bits, int8_mode)
+        fake = net.apply(wire, obs)  # the same b-bit weights through jnp
+        assert _max_rel_err(jax.jit(net.apply)(loaded, obs), fake) < (1e-5 if mode == "w8a32" else 0.05)
 
 
 def test_unknown_activation_is_refused():

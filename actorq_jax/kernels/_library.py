@@ -17,6 +17,7 @@ ENV_PATH = "ACTORQ_KERNEL_PATH"  # default instruction-set path: auto|scalar|avx
 
 TARGET_W8A32 = "actorq_int8_dense_w8a32"
 TARGET_W8A8 = "actorq_int8_dense_w8a8"
+TARGET_W4A8 = "actorq_int8_dense_w4a8"
 TARGET_LAYER_NORM = "actorq_layer_norm"
 
 # Path names <-> the integer codes the C++ handlers take as the "path" attribute.
@@ -24,7 +25,7 @@ PATH_CODES = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3}
 PATH_NAMES = {code: name for name, code in PATH_CODES.items()}
 
 # The handlers' signature version this Python code speaks (kAbiVersion in int8_dense.cc).
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 
 class _State:
@@ -78,6 +79,7 @@ def _load() -> _State:
 
         jffi.register_ffi_target(TARGET_W8A32, jffi.pycapsule(lib.ActorqInt8DenseW8A32), platform="cpu")
         jffi.register_ffi_target(TARGET_W8A8, jffi.pycapsule(lib.ActorqInt8DenseW8A8), platform="cpu")
+        jffi.register_ffi_target(TARGET_W4A8, jffi.pycapsule(lib.ActorqInt8DenseW4A8), platform="cpu")
         jffi.register_ffi_target(TARGET_LAYER_NORM, jffi.pycapsule(lib.ActorqLayerNorm), platform="cpu")
     except (OSError, AttributeError, RuntimeError, TypeError, ValueError) as exc:
         state.reason = f"cannot load {path}: {exc}"

@@ -2,6 +2,7 @@
 
     y = x @ (Wq * scale) + bias          (W8A32: float activations)
     y = (q(x) @ Wq) * (sx * scale) + bias (W8A8: x quantized per row to +-127)
+    the same with 4-bit weights, -8..7   (W4A8: two weights per byte)
 
 ``pack_dense`` repacks int8 weights once, at load time, into the kernel's
 panel layout; ``int8_dense`` runs inside ``jax.jit`` and falls back to
@@ -23,7 +24,7 @@ from flax import struct
 from actorq_jax.kernels import _library
 
 PANEL = 16  # output columns per weight panel
-MODES = ("w8a32", "w8a8")
+MODES = ("w8a32", "w8a8", "w4a8")
 PATHS = ("auto", "scalar", "avx2", "avx512", "reference")
 # Activations the kernel fuses into its epilogue, and the jnp function each one matches.
 ACTIVATIONS = {"relu": jax.nn.relu, "elu": jax.nn.elu, "tanh": jnp.tanh}
@@ -38,7 +39,9 @@ class Int8DenseWeight:
       so flax's parameter shape check passes) holding the kernel's panel layout:
       16-column panels one after another, panel p starting at byte 16 * p * K;
       inside a panel of width w, w8a32 stores ``[K, w]`` and w8a8 stores
-      ``[K // 4, w, 4]`` followed by ``[K % 4, w]``.
+      ``[K // 4, w, 4]`` followed by ``[K % 4, w]``. w4a8 instead has shape
+      ``[K8 // 2, 16 * panels]`` (K8: K rounded up to 8; the layout is described
+      in int8_dense.cc above W4A8Scalar).
     scale: float32 ``(N,)``, per output channel.
     colsum: int32 ``(16 * ceil(N / 16),)``, column sums of the int8 weights
       (zero-padded; the AVX-512 VNNI W8A8 path needs them).
@@ -58,8 +61,17 @@ class Int8DenseWeight:
 
     def unpack(self) -> jnp.ndarray:
         """The int8 weights as ``[K, N]`` in plain row-major order (traceable)."""
+        if self.mode == "w4a8":
+            return _from_nibbles(jnp, jnp.asarray(self.packed), self.in_features, self.out_features)
         return _from_panels(jnp, jnp.asarray(self.packed).reshape(-1), self.in_features,
                             self.out_features, self.mode)
+
+    @property
+    def packed_shape(self) -> tuple:
+        """Shape ``packed`` must have for this mode and size."""
+        if self.mode == "w4a8":
+            return (_round8(self.in_features) // 2, self.panels * PANEL)
+        return (self.in_features, self.out_features)
 
 
 def _panel_blocks(N: int) -> list:
@@ -85,6 +97,34 @@ def _from_panels(xp: Any, flat: Any, K: int, N: int, mode: str) -> Any:
             panel = xp.concatenate([grouped.reshape(count, G * 4, width), rest], axis=1)
         cols.append(panel.transpose(1, 0, 2).reshape(K, count * width))
     return xp.concatenate(cols, axis=1) if len(cols) > 1 else cols[0]
+
+
+def _round8(K: int) -> int:
+    return -(-K // 8) * 8
+
+
+def _to_nibbles(values: np.ndarray) -> np.ndarray:
+    """int8 [K, N] in -8..7 -> the W4A8 layout, int8 ``[K8 // 2, 16 * panels]``."""
+    K, N = values.shape
+    K8, P = _round8(K), -(-N // PANEL)
+    padded = np.zeros((K8, P * PANEL), np.uint8)
+    padded[:K, :N] = values.astype(np.int16) + 8
+    padded[K:, :] = 8
+    padded[:, N:] = 8
+    # k = 8b + 4h + j, column = 16p + c  ->  [p, b, c, j], low nibble h = 0, high nibble h = 1.
+    u = padded.reshape(K8 // 8, 2, 4, P, PANEL).transpose(1, 3, 0, 4, 2)
+    packed = u[0] | (u[1] << 4)
+    return np.ascontiguousarray(packed).reshape(K8 // 2, P * PANEL).view(np.int8)
+
+
+def _from_nibbles(xp: Any, packed: Any, K: int, N: int) -> Any:
+    """The W4A8 layout -> int8 [K, N]; ``xp`` is numpy or jax.numpy."""
+    K8, P = _round8(K), -(-N // PANEL)
+    b = packed.reshape(P, K8 // 8, PANEL, 4).astype(xp.int16) & 0xFF
+    lo, hi = b & 15, b >> 4
+    u = xp.stack([lo, hi])  # [h, p, b, c, j]
+    vals = u.transpose(2, 0, 4, 1, 3).reshape(K8, P * PANEL) - 8
+    return vals[:K, :N].astype(xp.int8)
 
 
 def _to_panels(values: np.ndarray, mode: str) -> np.ndarray:
@@ -113,6 +153,8 @@ def _column_sums(values: np.ndarray) -> np.ndarray:
 
 def _pack_panels(values: np.ndarray, mode: str) -> tuple:
     """(flat panel layout, column sums) of int8 [K, N]: one C pass when the library is built, else numpy."""
+    if mode == "w4a8":
+        return _to_nibbles(values), _column_sums(values)
     lib = _library.state().lib
     if lib is None:
         return _to_panels(values, mode), _column_sums(values)
@@ -140,9 +182,12 @@ def pack_dense(values: Any, scale: Any, mode: str = "w8a32") -> Int8DenseWeight:
     if scale.shape not in ((), (N,)):
         raise ValueError(f"scale must have shape () or ({N},), got {scale.shape}")
     scale = np.broadcast_to(scale.astype(np.float32), (N,)).copy()
+    if mode == "w4a8" and (values.min() < -8 or values.max() > 7):
+        raise ValueError(f"w4a8 needs 4-bit values in [-8, 7], got [{values.min()}, {values.max()}]")
     packed, colsum = _pack_panels(values, mode)
+    shape = (_round8(K) // 2, -(-N // PANEL) * PANEL) if mode == "w4a8" else (K, N)
     return Int8DenseWeight(
-        packed=jnp.asarray(packed.reshape(K, N)),
+        packed=jnp.asarray(packed.reshape(shape)),
         scale=jnp.asarray(scale),
         colsum=jnp.asarray(colsum),
         in_features=int(K),
@@ -220,9 +265,9 @@ def _check(x: Any, w: Any, bias: Any) -> tuple:
     if x.ndim < 1 or x.shape[-1] != K:
         raise ValueError(f"x must have shape [..., {K}] (in_features), got {tuple(x.shape)}")
     packed = w.packed
-    if jnp.result_type(packed) != jnp.int8 or tuple(np.shape(packed)) != (K, N):
+    if jnp.result_type(packed) != jnp.int8 or tuple(np.shape(packed)) != w.packed_shape:
         raise ValueError(
-            f"packed weights must be int8 of shape ({K}, {N}), got {jnp.result_type(packed)} {tuple(np.shape(packed))}"
+            f"packed weights must be int8 of shape {w.packed_shape}, got {jnp.result_type(packed)} {tuple(np.shape(packed))}"
         )
     if jnp.result_type(w.scale) != jnp.float32 or tuple(np.shape(w.scale)) != (N,):
         raise ValueError(f"scale must be float32 of shape ({N},), got {jnp.result_type(w.scale)} {np.shape(w.scale)}")
@@ -276,7 +321,7 @@ def int8_dense(
     args = [x.reshape(M, K), w.packed, w.scale, bias]
     if w.mode == "w8a8":
         args.append(w.colsum)
-    target = _library.TARGET_W8A32 if w.mode == "w8a32" else _library.TARGET_W8A8
+    target = {"w8a32": _library.TARGET_W8A32, "w8a8": _library.TARGET_W8A8, "w4a8": _library.TARGET_W4A8}[w.mode]
     y = jffi.ffi_call(target, out, *args, out_features=int(N), path=_library.PATH_CODES[path],
                       activation=_ACTIVATION_CODES[activation])
     return y.reshape(lead + (N,))
@@ -338,7 +383,11 @@ def layer_norm(
 
 
 def pack_params(qparams: Any, mode: str = "w8a32") -> Any:
-    """Replaces symmetric 2-D QuantizedTensor leaves (bits <= 8) by Int8DenseWeight; asymmetric ones become float32."""
+    """Replaces symmetric 2-D QuantizedTensor leaves (bits <= 8) by Int8DenseWeight; asymmetric ones become float32.
+
+    With ``mode="w4a8"`` leaves of at most 4 bits are packed two per byte and
+    wider ones (5-8 bits) fall back to w8a8.
+    """
     from actorq_jax import quantization
 
     if mode not in MODES:
@@ -350,7 +399,8 @@ def pack_params(qparams: Any, mode: str = "w8a32") -> Any:
         if leaf.zero_point is not None:
             return quantization.dequantize_tensor(leaf)
         if leaf.bits <= 8 and np.ndim(leaf.values) == 2:
-            return pack_dense(np.asarray(leaf.values), np.asarray(leaf.scale), mode)
+            leaf_mode = "w8a8" if mode == "w4a8" and leaf.bits > 4 else mode
+            return pack_dense(np.asarray(leaf.values), np.asarray(leaf.scale), leaf_mode)
         return leaf
 
     return jax.tree_util.tree_map(convert, qparams, is_leaf=quantization.is_quantized_leaf)

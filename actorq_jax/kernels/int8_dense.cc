@@ -5,10 +5,11 @@
 // followed by an optional activation fused into the epilogue (relu, elu or
 // tanh: one pass less over the output, and one XLA op less between layers).
 //
-// Two variants:
+// Three variants:
 //   W8A32  float activations.
 //   W8A8   activations quantized per row to int8 (+-127, round half to even),
 //          int32 accumulation.
+//   W4A8   as W8A8 with 4-bit weights (-8..7), two per byte (layout above W4A8Scalar).
 // Weights are int8, repacked once in Python at load time into 16-column
 // panels (layout described above W8A32Panel).
 
@@ -35,6 +36,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -49,7 +51,7 @@ enum Path : int64_t { kAuto = 0, kScalar = 1, kAvx2 = 2, kAvx512 = 3 };
 enum Activation : int64_t { kNone = 0, kRelu = 1, kElu = 2, kTanh = 3 };
 
 // Bumped whenever the handlers' attributes change, so Python can refuse a stale library.
-constexpr int64_t kAbiVersion = 4;
+constexpr int64_t kAbiVersion = 5;
 
 #if ACTORQ_X86
 bool CpuHasAvx2() {
@@ -450,6 +452,59 @@ __attribute__((target("avx512f,avx2,fma"), noinline)) void ActRows512(float* y, 
   }
 }
 
+template <int V>
+using Int = std::integral_constant<int, V>;
+
+// Every AVX-512 function's target; the tile lambdas need it too, or their tiles are not inlined.
+#define kAvx512Target "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma"
+
+// The AVX-512 paths' row loop: calls tile(m0, Int<R>, Int<U>) on blocks of up to
+// 8 rows (U accumulator sets per row hide the dot-product latency when there are
+// few rows), then applies the activation to the block's outputs.
+template <typename Tile>
+void ForRowBlocks8(const Geometry& g, int64_t n0, float* y, Tile&& tile) {
+  for (int64_t m0 = 0; m0 < g.M; m0 += 8) {
+    const int64_t rows = std::min<int64_t>(8, g.M - m0);
+    switch (rows) {
+      case 8: tile(m0, Int<8>{}, Int<1>{}); break;
+      case 7: tile(m0, Int<7>{}, Int<1>{}); break;
+      case 6: tile(m0, Int<6>{}, Int<1>{}); break;
+      case 5: tile(m0, Int<5>{}, Int<1>{}); break;
+      case 4: tile(m0, Int<4>{}, Int<1>{}); break;
+      case 3: tile(m0, Int<3>{}, Int<2>{}); break;
+      case 2: tile(m0, Int<2>{}, Int<2>{}); break;
+      default: tile(m0, Int<1>{}, Int<4>{}); break;
+    }
+    if (g.act != kNone) ActRows512(y + m0 * g.N + n0, g.N, rows, ValidCols(n0, g.N), g.act);
+  }
+}
+
+// Stores one row of a 16-column panel held as o0 (columns 0-7) and o1 (8-15); nc columns are valid.
+__attribute__((target("avx2,fma"))) inline void StoreRow256(float* yr, __m256 o0, __m256 o1, int64_t nc) {
+  if (nc == kPanel) {
+    _mm256_storeu_ps(yr, o0);
+    _mm256_storeu_ps(yr + 8, o1);
+  } else {
+    alignas(32) float tmp[kPanel];
+    _mm256_store_ps(tmp, o0);
+    _mm256_store_ps(tmp + 8, o1);
+    std::memcpy(yr, tmp, nc * sizeof(float));
+  }
+}
+
+// Stores (acc - offset) * sx * scale + bias for one row of int32 accumulators (the A8 paths' epilogue).
+__attribute__((target("avx2,fma"))) inline void StoreIntRow256(float* yr, __m256i a0, __m256i a1, int32_t offset,
+                                                              float sx, const float* s16, const float* b16,
+                                                              int64_t nc) {
+  const __m256i off = _mm256_set1_epi32(offset);
+  const __m256 rs = _mm256_set1_ps(sx);
+  const __m256 o0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(a0, off)),
+                                    _mm256_mul_ps(rs, _mm256_loadu_ps(s16)), _mm256_loadu_ps(b16));
+  const __m256 o1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(a1, off)),
+                                    _mm256_mul_ps(rs, _mm256_loadu_ps(s16 + 8)), _mm256_loadu_ps(b16 + 8));
+  StoreRow256(yr, o0, o1, nc);
+}
+
 // W8A32, AVX2 + FMA: R rows x 16 columns per tile; U independent accumulator
 // sets over k hide the FMA latency when R is small.
 template <int R, int U>
@@ -496,18 +551,7 @@ __attribute__((target("avx2,fma"))) void W8A32Avx2Tile(const Geometry& g, const 
       a0 = _mm256_add_ps(a0, acc[u][r][0]);
       a1 = _mm256_add_ps(a1, acc[u][r][1]);
     }
-    float* yr = y + r * g.N + n0;
-    const __m256 o0 = _mm256_fmadd_ps(a0, s0, b0);
-    const __m256 o1 = _mm256_fmadd_ps(a1, s1, b1);
-    if (nc == kPanel) {
-      _mm256_storeu_ps(yr, o0);
-      _mm256_storeu_ps(yr + 8, o1);
-    } else {
-      alignas(32) float tmp[kPanel];
-      _mm256_store_ps(tmp, o0);
-      _mm256_store_ps(tmp + 8, o1);
-      std::memcpy(yr, tmp, nc * sizeof(float));
-    }
+    StoreRow256(y + r * g.N + n0, _mm256_fmadd_ps(a0, s0, b0), _mm256_fmadd_ps(a1, s1, b1), nc);
   }
 }
 
@@ -585,25 +629,11 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma"))) void W8A32Avx512Ti
 }
 
 template <bool kNarrow>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma"))) void W8A32Avx512Panel(
-    const Geometry& g, const float* x, const int8_t* wp, int64_t ldw, __mmask16 wmask,
-    const float* scale, const float* bias, float* y, int64_t n0) {
-  for (int64_t m0 = 0; m0 < g.M; m0 += 8) {
-    const float* xt = x + m0 * g.K;
-    float* yt = y + m0 * g.N;
-    switch (std::min<int64_t>(8, g.M - m0)) {
-      case 8: W8A32Avx512Tile<8, 1, kNarrow>(g, xt, wp, ldw, wmask, scale, bias, yt, n0); break;
-      case 7: W8A32Avx512Tile<7, 1, kNarrow>(g, xt, wp, ldw, wmask, scale, bias, yt, n0); break;
-      case 6: W8A32Avx512Tile<6, 1, kNarrow>(g, xt, wp, ldw, wmask, scale, bias, yt, n0); break;
-      case 5: W8A32Avx512Tile<5, 1, kNarrow>(g, xt, wp, ldw, wmask, scale, bias, yt, n0); break;
-      case 4: W8A32Avx512Tile<4, 1, kNarrow>(g, xt, wp, ldw, wmask, scale, bias, yt, n0); break;
-      case 3: W8A32Avx512Tile<3, 2, kNarrow>(g, xt, wp, ldw, wmask, scale, bias, yt, n0); break;
-      case 2: W8A32Avx512Tile<2, 2, kNarrow>(g, xt, wp, ldw, wmask, scale, bias, yt, n0); break;
-      default: W8A32Avx512Tile<1, 4, kNarrow>(g, xt, wp, ldw, wmask, scale, bias, yt, n0); break;
-    }
-    if (g.act != kNone)
-      ActRows512(yt + n0, g.N, std::min<int64_t>(8, g.M - m0), ValidCols(n0, g.N), g.act);
-  }
+void W8A32Avx512Panel(const Geometry& g, const float* x, const int8_t* wp, int64_t ldw, __mmask16 wmask,
+                      const float* scale, const float* bias, float* y, int64_t n0) {
+  ForRowBlocks8(g, n0, y, [&](int64_t m0, auto R, auto U) __attribute__((target(kAvx512Target))) {
+    W8A32Avx512Tile<R(), U(), kNarrow>(g, x + m0 * g.K, wp, ldw, wmask, scale, bias, y + m0 * g.N, n0);
+  });
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma"))) void W8A32Avx512(
@@ -646,6 +676,19 @@ void QuantizeRows(const float* x, int64_t M, int64_t K, int64_t K4, int8_t* q, f
     }
     for (int64_t k = K; k < K4 * 4; ++k) qr[k] = 0;
   }
+}
+
+// Quantizes x [M, K] per row into this thread's scratch, rows padded with zeros
+// to `ld` bytes (a multiple of 4); returns q and sets *sx. Thread-local: concurrent
+// executions each run on their own calling thread.
+int8_t* QuantizeToScratch(const float* x, int64_t M, int64_t K, int64_t ld, const float** sx) {
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> scales;
+  q.resize(static_cast<size_t>(M * ld));
+  scales.resize(static_cast<size_t>(M));
+  QuantizeRows(x, M, K, ld / 4, q.data(), scales.data());
+  *sx = scales.data();
+  return q.data();
 }
 
 // W8A8, scalar: exact int32 accumulation.
@@ -708,24 +751,8 @@ __attribute__((target("avx2,fma"))) void W8A8Avx2Tile(const Geometry& g, int64_t
       }
     }
   }
-  const __m256 sc0 = _mm256_loadu_ps(s16), sc1 = _mm256_loadu_ps(s16 + 8);
-  const __m256 b0 = _mm256_loadu_ps(b16), b1 = _mm256_loadu_ps(b16 + 8);
   const int64_t nc = ValidCols(n0, g.N);
-  for (int r = 0; r < R; ++r) {
-    const __m256 rs = _mm256_set1_ps(sx[r]);
-    const __m256 o0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][0]), _mm256_mul_ps(rs, sc0), b0);
-    const __m256 o1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][1]), _mm256_mul_ps(rs, sc1), b1);
-    float* yr = y + r * g.N + n0;
-    if (nc == kPanel) {
-      _mm256_storeu_ps(yr, o0);
-      _mm256_storeu_ps(yr + 8, o1);
-    } else {
-      alignas(32) float tmp[kPanel];
-      _mm256_store_ps(tmp, o0);
-      _mm256_store_ps(tmp + 8, o1);
-      std::memcpy(yr, tmp, nc * sizeof(float));
-    }
-  }
+  for (int r = 0; r < R; ++r) StoreIntRow256(y + r * g.N + n0, acc[r][0], acc[r][1], 0, sx[r], s16, b16, nc);
 }
 
 __attribute__((target("avx2,fma"))) void W8A8Avx2(const Geometry& g, int64_t K4, const int8_t* q,
@@ -751,6 +778,26 @@ __attribute__((target("avx2,fma"))) void W8A8Avx2(const Geometry& g, int64_t K4,
       if (g.act != kNone)
         ActRows256(yt + n0, g.N, std::min<int64_t>(4, g.M - m0), ValidCols(n0, g.N), g.act);
     }
+  }
+}
+
+// The VNNI paths' epilogue for one row block: the sum of the U accumulator sets
+// of each row, minus `col_offset` and (when qsum is given) 8 * qsum[row], times
+// sx * scale, plus bias, stored (nc columns).
+template <int R, int U>
+__attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma"))) inline void StoreIntRows512(
+    const __m512i (&acc)[U][R], __m512i col_offset, const int32_t* qsum, const float* sx, const float* scale,
+    const float* bias, float* y, int64_t ldy, int64_t n0, int64_t nc) {
+  const __mmask16 mask = static_cast<__mmask16>((1u << nc) - 1u);
+  const __m512 sc = _mm512_maskz_loadu_ps(mask, scale + n0);
+  const __m512 b = _mm512_maskz_loadu_ps(mask, bias + n0);
+  for (int r = 0; r < R; ++r) {
+    __m512i a = acc[0][r];
+    for (int u = 1; u < U; ++u) a = _mm512_add_epi32(a, acc[u][r]);
+    a = _mm512_sub_epi32(a, col_offset);
+    if (qsum != nullptr) a = _mm512_sub_epi32(a, _mm512_set1_epi32(8 * qsum[r]));
+    const __m512 rs = _mm512_mul_ps(_mm512_set1_ps(sx[r]), sc);
+    _mm512_mask_storeu_ps(y + r * ldy + n0, mask, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), rs, b));
   }
 }
 
@@ -789,18 +836,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma"))) void W8A8VnniTil
       }
     }
   }
-  const int64_t nc = ValidCols(n0, g.N);
-  const __mmask16 mask = static_cast<__mmask16>((1u << nc) - 1u);
-  const __m512 sc = _mm512_maskz_loadu_ps(mask, scale + n0);
-  const __m512 b = _mm512_maskz_loadu_ps(mask, bias + n0);
   const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(colsum + n0), 7);
-  for (int r = 0; r < R; ++r) {
-    __m512i a = acc[0][r];
-    for (int u = 1; u < U; ++u) a = _mm512_add_epi32(a, acc[u][r]);
-    a = _mm512_sub_epi32(a, offset);
-    const __m512 rs = _mm512_mul_ps(_mm512_set1_ps(sx[r]), sc);
-    _mm512_mask_storeu_ps(y + r * g.N + n0, mask, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), rs, b));
-  }
+  StoreIntRows512<R, U>(acc, offset, nullptr, sx, scale, bias, y, g.N, n0, ValidCols(n0, g.N));
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma"))) void W8A8Vnni(
@@ -831,6 +868,144 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma"))) void W8A8Vnni(
   }
 }
 
+#endif  // ACTORQ_X86
+
+// ---------------------------------------------------------------------------
+// W4A8. K is padded to K8 (a multiple of 8) and N to whole panels, both with
+// the value 0. Panel p (16 columns) starts at byte 8 * K8 * p and holds K8 / 8
+// blocks of 64 bytes; in block b, byte c * 4 + j packs two weights of column c
+// as unsigned nibbles (value + 8): k = 8b + j in the low nibble, k = 8b + 4 + j
+// in the high one. Unsigned nibbles times signed activations is exactly the
+// operand order of vpdpbusd and maddubs (no offset trick on the activations);
+// the +8 comes off at the end: sum (w + 8) q - 8 sum q = sum w q, the same
+// integer as W8A8 computes for the same weights.
+void W4A8Scalar(const Geometry& g, int64_t K8, const int8_t* q, const int32_t* qsum, const float* sx,
+                const uint8_t* w, const float* scale, const float* bias, float* y, int64_t p0, int64_t p1) {
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint8_t* wp = w + p * 8 * K8;
+    const int64_t n0 = p * kPanel, nc = ValidCols(n0, g.N);
+    for (int64_t m = 0; m < g.M; ++m) {
+      const int8_t* qr = q + m * K8;
+      int32_t acc[kPanel] = {0};
+      for (int64_t b = 0; b < K8 / 8; ++b) {
+        const uint8_t* wb = wp + b * 64;
+        const int8_t* xb = qr + b * 8;
+        for (int64_t c = 0; c < kPanel; ++c)
+          for (int j = 0; j < 4; ++j)
+            acc[c] += int32_t{wb[c * 4 + j] & 15} * xb[j] + int32_t{wb[c * 4 + j] >> 4} * xb[4 + j];
+      }
+      for (int64_t c = 0; c < nc; ++c) {
+        const float rs = sx[m] * scale[n0 + c];
+        y[m * g.N + n0 + c] =
+            ActScalar(static_cast<float>(acc[c] - 8 * qsum[m]) * rs + bias[n0 + c], g.act);
+      }
+    }
+  }
+}
+
+#if ACTORQ_X86
+template <int R>
+__attribute__((target("avx2,fma"))) void W4A8Avx2Tile(const Geometry& g, int64_t K8, const int8_t* q,
+                                                     const int32_t* qsum, const float* sx, const uint8_t* wp,
+                                                     const float* s16, const float* b16, float* y, int64_t n0) {
+  __m256i acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+  const __m256i ones = _mm256_set1_epi16(1), nib = _mm256_set1_epi8(15);
+  for (int64_t b = 0; b < K8 / 8; ++b) {
+    const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + b * 64));
+    const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + b * 64 + 32));
+    const __m256i lo0 = _mm256_and_si256(v0, nib), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), nib);
+    const __m256i lo1 = _mm256_and_si256(v1, nib), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), nib);
+    for (int r = 0; r < R; ++r) {
+      int32_t x0, x1;
+      std::memcpy(&x0, q + r * K8 + b * 8, 4);
+      std::memcpy(&x1, q + r * K8 + b * 8 + 4, 4);
+      const __m256i xb0 = _mm256_set1_epi32(x0), xb1 = _mm256_set1_epi32(x1);
+      // |15 * 127 * 2| < 32767: maddubs cannot saturate.
+      acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(lo0, xb0), ones));
+      acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(hi0, xb1), ones));
+      acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(lo1, xb0), ones));
+      acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(hi1, xb1), ones));
+    }
+  }
+  const int64_t nc = ValidCols(n0, g.N);
+  for (int r = 0; r < R; ++r)
+    StoreIntRow256(y + r * g.N + n0, acc[r][0], acc[r][1], 8 * qsum[r], sx[r], s16, b16, nc);
+}
+
+__attribute__((target("avx2,fma"))) void W4A8Avx2(const Geometry& g, int64_t K8, const int8_t* q,
+                                                 const int32_t* qsum, const float* sx, const uint8_t* w,
+                                                 const float* scale, const float* bias, float* y, int64_t p0,
+                                                 int64_t p1) {
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint8_t* wp = w + p * 8 * K8;
+    const int64_t n0 = p * kPanel;
+    float s16[kPanel], b16[kPanel];
+    PanelEpilogueParams(scale, bias, n0, g.N, s16, b16);
+    for (int64_t m0 = 0; m0 < g.M; m0 += 4) {
+      const int8_t* qt = q + m0 * K8;
+      float* yt = y + m0 * g.N;
+      const int32_t* st = qsum + m0;
+      switch (std::min<int64_t>(4, g.M - m0)) {
+        case 4: W4A8Avx2Tile<4>(g, K8, qt, st, sx + m0, wp, s16, b16, yt, n0); break;
+        case 3: W4A8Avx2Tile<3>(g, K8, qt, st, sx + m0, wp, s16, b16, yt, n0); break;
+        case 2: W4A8Avx2Tile<2>(g, K8, qt, st, sx + m0, wp, s16, b16, yt, n0); break;
+        default: W4A8Avx2Tile<1>(g, K8, qt, st, sx + m0, wp, s16, b16, yt, n0); break;
+      }
+      if (g.act != kNone)
+        ActRows256(yt + n0, g.N, std::min<int64_t>(4, g.M - m0), ValidCols(n0, g.N), g.act);
+    }
+  }
+}
+
+template <int R, int U>
+__attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma"))) void W4A8VnniTile(
+    const Geometry& g, int64_t K8, const int8_t* q, const int32_t* qsum, const float* sx,
+    const uint8_t* wp, const float* scale, const float* bias, float* y, int64_t n0) {
+  __m512i acc[U][R];
+  for (int u = 0; u < U; ++u)
+    for (int r = 0; r < R; ++r) acc[u][r] = _mm512_setzero_si512();
+  const __m512i nib = _mm512_set1_epi8(15);
+  const int64_t B = K8 / 8;
+  int64_t b = 0;
+  for (; b + U <= B; b += U) {
+    for (int u = 0; u < U; ++u) {
+      const __m512i v = _mm512_loadu_si512(wp + (b + u) * 64);
+      const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+      for (int r = 0; r < R; ++r) {
+        int32_t x0, x1;
+        std::memcpy(&x0, q + r * K8 + (b + u) * 8, 4);
+        std::memcpy(&x1, q + r * K8 + (b + u) * 8 + 4, 4);
+        acc[u][r] = _mm512_dpbusd_epi32(acc[u][r], lo, _mm512_set1_epi32(x0));
+        acc[u][r] = _mm512_dpbusd_epi32(acc[u][r], hi, _mm512_set1_epi32(x1));
+      }
+    }
+  }
+  for (; b < B; ++b) {
+    const __m512i v = _mm512_loadu_si512(wp + b * 64);
+    const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+    for (int r = 0; r < R; ++r) {
+      int32_t x0, x1;
+      std::memcpy(&x0, q + r * K8 + b * 8, 4);
+      std::memcpy(&x1, q + r * K8 + b * 8 + 4, 4);
+      acc[0][r] = _mm512_dpbusd_epi32(acc[0][r], lo, _mm512_set1_epi32(x0));
+      acc[0][r] = _mm512_dpbusd_epi32(acc[0][r], hi, _mm512_set1_epi32(x1));
+    }
+  }
+  StoreIntRows512<R, U>(acc, _mm512_setzero_si512(), qsum, sx, scale, bias, y, g.N, n0, ValidCols(n0, g.N));
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma"))) void W4A8Vnni(
+    const Geometry& g, int64_t K8, const int8_t* q, const int32_t* qsum, const float* sx, const uint8_t* w,
+    const float* scale, const float* bias, float* y, int64_t p0, int64_t p1) {
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint8_t* wp = w + p * 8 * K8;
+    const int64_t n0 = p * kPanel;
+    ForRowBlocks8(g, n0, y, [&](int64_t m0, auto R, auto U) __attribute__((target(kAvx512Target))) {
+      W4A8VnniTile<R(), U()>(g, K8, q + m0 * K8, qsum + m0, sx + m0, wp, scale, bias, y + m0 * g.N, n0);
+    });
+  }
+}
 #endif  // ACTORQ_X86
 
 // ---------------------------------------------------------------------------
@@ -965,6 +1140,45 @@ ffi::Error LayerNormImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> scale, f
   return ffi::Error::Success();
 }
 
+ffi::Error W4A8Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scale,
+                    ffi::Buffer<ffi::F32> bias, ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t n_attr,
+                    int64_t path, int64_t act) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || n_attr < 1)
+    return ffi::Error::InvalidArgument("actorq int8_dense w4a8: expected x [M, K], w [K8 / 2, 16 * panels]");
+  Geometry g{xd[0], xd[1], n_attr, (n_attr + kPanel - 1) / kPanel, act};
+  const int64_t K8 = (g.K + 7) / 8 * 8;
+  if (wd[0] != K8 / 2 || wd[1] != g.P * kPanel)
+    return ffi::Error::InvalidArgument("actorq int8_dense w4a8: expected w [K8 / 2, 16 * panels]");
+  if (ffi::Error e = CheckCommon(g, path, n_attr, scale.element_count(), bias.element_count());
+      e.failure())
+    return e;
+  const int64_t p = Resolve(path);
+  const float* sxp;
+  const int8_t* qp = QuantizeToScratch(x.typed_data(), g.M, g.K, K8, &sxp);
+  thread_local std::vector<int32_t> qsum;
+  qsum.resize(static_cast<size_t>(g.M));
+  for (int64_t m = 0; m < g.M; ++m) {
+    int32_t total = 0;
+    for (int64_t k = 0; k < g.K; ++k) total += qp[m * K8 + k];
+    qsum[m] = total;
+  }
+  const uint8_t* wp = reinterpret_cast<const uint8_t*>(w.typed_data());
+  const float* sp = scale.typed_data();
+  const float* bp = bias.typed_data();
+  float* yp = y->typed_data();
+  const int32_t* qs = qsum.data();
+  ForPanels(g.P, g.M * g.K * g.N / 2, [&](int64_t p0, int64_t p1) {
+#if ACTORQ_X86
+    if (p == kAvx512) return W4A8Vnni(g, K8, qp, qs, sxp, wp, sp, bp, yp, p0, p1);
+    if (p == kAvx2) return W4A8Avx2(g, K8, qp, qs, sxp, wp, sp, bp, yp, p0, p1);
+#endif
+    W4A8Scalar(g, K8, qp, qs, sxp, wp, sp, bp, yp, p0, p1);
+  });
+  return ffi::Error::Success();
+}
+
 ffi::Error W8A8Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scale,
                     ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::S32> colsum,
                     ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t n_attr, int64_t path,
@@ -981,21 +1195,16 @@ ffi::Error W8A8Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buffer
       e.failure())
     return e;
   const int64_t p = Resolve(path);
-  // Per-thread scratch: concurrent executions each use their own calling thread.
-  thread_local std::vector<int8_t> q;
-  thread_local std::vector<float> sx;
-  q.resize(static_cast<size_t>(g.M * K4 * 4));
-  sx.resize(static_cast<size_t>(g.M));
-  QuantizeRows(x.typed_data(), g.M, g.K, K4, q.data(), sx.data());
+  const float* sxp;
+  int8_t* q = QuantizeToScratch(x.typed_data(), g.M, g.K, K4 * 4, &sxp);
   if (p == kAvx512)
-    for (auto& v : q) v = static_cast<int8_t>(static_cast<uint8_t>(v) ^ 0x80u);
+    for (int64_t i = 0; i < g.M * K4 * 4; ++i) q[i] = static_cast<int8_t>(static_cast<uint8_t>(q[i]) ^ 0x80u);
   const int8_t* wp = w.typed_data();
   const float* sp = scale.typed_data();
   const float* bp = bias.typed_data();
   const int32_t* cp = colsum.typed_data();
   float* yp = y->typed_data();
-  const int8_t* qp = q.data();
-  const float* sxp = sx.data();
+  const int8_t* qp = q;
   ForPanels(g.P, g.M * g.K * g.N, [&](int64_t p0, int64_t p1) {
 #if ACTORQ_X86
     if (p == kAvx512)
@@ -1007,18 +1216,22 @@ ffi::Error W8A8Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buffer
   return ffi::Error::Success();
 }
 
+// Arguments of the dense handlers without column sums (W8A32, W4A8): x, packed weights, scale, bias.
+auto DenseBinding() {
+  return ffi::Ffi::Bind()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::S8>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Ret<ffi::Buffer<ffi::F32>>()
+      .Attr<int64_t>("out_features")
+      .Attr<int64_t>("path")
+      .Attr<int64_t>("activation");
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ActorqInt8DenseW8A32, W8A32Impl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("out_features")
-                                  .Attr<int64_t>("path")
-                                  .Attr<int64_t>("activation"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ActorqInt8DenseW8A32, W8A32Impl, DenseBinding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ActorqInt8DenseW8A8, W8A8Impl,
                               ffi::Ffi::Bind()
@@ -1031,6 +1244,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ActorqInt8DenseW8A8, W8A8Impl,
                                   .Attr<int64_t>("out_features")
                                   .Attr<int64_t>("path")
                                   .Attr<int64_t>("activation"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ActorqInt8DenseW4A8, W4A8Impl, DenseBinding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ActorqLayerNorm, LayerNormImpl,
                               ffi::Ffi::Bind()

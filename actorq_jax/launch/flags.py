@@ -44,7 +44,8 @@ def build_parser(agent: str, agent_config_cls: type, description: str) -> argpar
     run.add_argument("--comm_bits", type=int, default=None, help="bits on the wire (default: actor_bits)")
     run.add_argument("--granularity", default="per_channel", help=f"quantization scales: {GRANULARITIES}")
     run.add_argument("--actor_backend", default="auto", help=f"how actors run b-bit weights: {BACKENDS}")
-    run.add_argument("--int8_mode", default="w8a8", help=f"int8 kernel activations: {INT8_MODES}")
+    run.add_argument("--int8_mode", default="w8a8",
+                     help=f"int8 kernel activations: {INT8_MODES} (w8a8 actors of <= 4 bits pack weights two per byte)")
     run.add_argument("--update_period", type=int, default=100, help="actor env steps between variable refreshes")
     run.add_argument("--publish_period", type=int, default=10, help="learner steps between variable publications")
     run.add_argument("--max_env_steps", type=int, default=None, help="budget: total env steps of all actors")

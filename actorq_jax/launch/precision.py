@@ -27,6 +27,10 @@ class ActorPrecision:
     backend: str = "auto"
     int8_mode: str = "w8a8"  # activations of the int8 kernel: quantized per row (w8a8) or float (w8a32)
 
+    def kernel_mode(self) -> str:
+        """Packing of the int8 backend: w8a8 actors of at most 4 bits pack two weights per byte (w4a8)."""
+        return "w4a8" if self.int8_mode == "w8a8" and self.actor_bits <= 4 else self.int8_mode
+
     def actor_quant(self) -> QuantConfig:
         """Quantization config of the actor's policy."""
         return QuantConfig(bits=self.actor_bits, granularity=self.granularity)
@@ -64,7 +68,7 @@ def make_param_loader(precision: ActorPrecision) -> Callable[[Any], Any]:
         if backend == "int8":
             from actorq_jax import kernels
 
-            params = kernels.pack_params(qparams, mode=precision.int8_mode)
+            params = kernels.pack_params(qparams, mode=precision.kernel_mode())
         else:
             params = dequantize(qparams)
         params = jax.device_put(params)
