@@ -79,10 +79,12 @@ def test_c_packing_equals_numpy_packing():
     rng = np.random.default_rng(13)
     for K, N in [(1, 1), (3, 17), (4, 16), (5, 33), (37, 45), (64, 250), (130, 129)]:
         values = rng.integers(-128, 128, size=(K, N)).astype(np.int8)
-        for mode in ("w8a32", "w8a8"):
-            packed, colsum = dense._pack_panels(values, mode)  # the library's one-pass repack
-            np.testing.assert_array_equal(packed, dense._to_panels(values, mode), err_msg=f"{mode} {(K, N)}")
-            np.testing.assert_array_equal(colsum, dense._column_sums(values))
+        for mode in ("w8a32", "w8a8", "w4a8"):
+            v = np.clip(values, -8, 7) if mode == "w4a8" else values
+            packed, colsum = dense._pack_panels(v, mode)  # the library's one-pass repack
+            numpy_packed = dense._to_nibbles(v) if mode == "w4a8" else dense._to_panels(v, mode)
+            np.testing.assert_array_equal(packed, numpy_packed.reshape(-1), err_msg=f"{mode} {(K, N)}")
+            np.testing.assert_array_equal(colsum, dense._column_sums(v))
 
 
 @pytest.mark.parametrize("path", KERNEL_PATHS)

@@ -25,7 +25,7 @@ PATH_CODES = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3}
 PATH_NAMES = {code: name for name, code in PATH_CODES.items()}
 
 # The handlers' signature version this Python code speaks (kAbiVersion in int8_dense.cc).
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 
 class _State:

@@ -153,16 +153,15 @@ def _column_sums(values: np.ndarray) -> np.ndarray:
 
 def _pack_panels(values: np.ndarray, mode: str) -> tuple:
     """(flat panel layout, column sums) of int8 [K, N]: one C pass when the library is built, else numpy."""
-    if mode == "w4a8":
-        return _to_nibbles(values), _column_sums(values)
     lib = _library.state().lib
     if lib is None:
-        return _to_panels(values, mode), _column_sums(values)
+        return (_to_nibbles(values) if mode == "w4a8" else _to_panels(values, mode)), _column_sums(values)
     K, N = values.shape
     values = np.ascontiguousarray(values)
-    packed = np.empty(K * N, np.int8)
-    colsum = np.empty(-(-N // PANEL) * PANEL, np.int32)
-    lib.actorq_pack_panels(values.ctypes.data, K, N, int(mode == "w8a8"), packed.ctypes.data, colsum.ctypes.data)
+    P = -(-N // PANEL)
+    packed = np.empty(_round8(K) * 8 * P if mode == "w4a8" else K * N, np.int8)
+    colsum = np.empty(P * PANEL, np.int32)
+    lib.actorq_pack_panels(values.ctypes.data, K, N, MODES.index(mode), packed.ctypes.data, colsum.ctypes.data)
     return packed, colsum
 
 

@@ -51,7 +51,7 @@ enum Path : int64_t { kAuto = 0, kScalar = 1, kAvx2 = 2, kAvx512 = 3 };
 enum Activation : int64_t { kNone = 0, kRelu = 1, kElu = 2, kTanh = 3 };
 
 // Bumped whenever the handlers' attributes change, so Python can refuse a stale library.
-constexpr int64_t kAbiVersion = 5;
+constexpr int64_t kAbiVersion = 6;
 
 #if ACTORQ_X86
 bool CpuHasAvx2() {
@@ -1260,14 +1260,32 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ActorqLayerNorm, LayerNormImpl,
 // Plain C helpers for ctypes.
 extern "C" {
 
-// Repacks row-major int8 weights [K, N] into the panel layout described above
-// W8A32Panel (w8a8 != 0: the W8A8 layout) and writes their zero-padded column
-// sums (16 * ceil(N / 16) entries). One pass in place of numpy's transposes:
-// actors repack at every variable refresh.
-void actorq_pack_panels(const int8_t* src, int64_t K, int64_t N, int64_t w8a8, int8_t* dst,
+// Repacks row-major int8 weights [K, N] into a kernel layout (mode 0: W8A32,
+// 1: W8A8, both described above W8A32Panel, K * N bytes; 2: W4A8, described
+// above W4A8Scalar, 8 * K8 * panels bytes, values in -8..7) and writes their
+// zero-padded column sums (16 * ceil(N / 16) entries). One pass in place of
+// numpy's transposes: actors repack at every variable refresh.
+void actorq_pack_panels(const int8_t* src, int64_t K, int64_t N, int64_t mode, int8_t* dst,
                         int32_t* colsum) {
-  const int64_t P = (N + kPanel - 1) / kPanel, G = K / 4;
+  const int64_t P = (N + kPanel - 1) / kPanel, G = K / 4, K8 = (K + 7) / 8 * 8;
+  const bool w8a8 = mode == 1;
   std::memset(colsum, 0, sizeof(int32_t) * P * kPanel);
+  if (mode == 2) {
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t n = 0; n < N; ++n) colsum[n] += src[k * N + n];
+    // Written in output order, one 64-byte block at a time; padding is the value 0 (nibble 8).
+    uint8_t* out = reinterpret_cast<uint8_t*>(dst);
+    auto nibble = [&](int64_t k, int64_t n) -> uint8_t {
+      return k < K && n < N ? static_cast<uint8_t>(src[k * N + n] + 8) : uint8_t{8};
+    };
+    for (int64_t p = 0; p < P; ++p)
+      for (int64_t b = 0; b < K8 / 8; ++b, out += 64)
+        for (int64_t c = 0; c < kPanel; ++c)
+          for (int64_t j = 0; j < 4; ++j)
+            out[c * 4 + j] = static_cast<uint8_t>(nibble(8 * b + j, p * kPanel + c) |
+                                                  (nibble(8 * b + 4 + j, p * kPanel + c) << 4));
+    return;
+  }
   for (int64_t k = 0; k < K; ++k) {
     const int8_t* row = src + k * N;
     for (int64_t n = 0; n < N; ++n) colsum[n] += row[n];
