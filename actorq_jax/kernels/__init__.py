@@ -12,6 +12,7 @@ Without it every call falls back to ``reference_int8_dense`` after one warning.
 
 from actorq_jax.kernels import _library
 from actorq_jax.kernels.dense import (
+    ACTIVATIONS,
     Int8DenseWeight,
     int8_dense,
     layer_norm,
@@ -57,6 +58,7 @@ def get_num_threads() -> int:
 
 
 __all__ = [
+    "ACTIVATIONS",
     "Int8DenseWeight",
     "pack_dense",
     "int8_dense",

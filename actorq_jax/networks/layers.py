@@ -12,10 +12,13 @@ from typing import Any, Callable, Optional
 import flax.linen as nn
 import jax.numpy as jnp
 
-Initializer = Callable[..., Any]
+from actorq_jax import kernels, quantization
 
-# Activations a Dense layer can apply itself (the int8 kernel fuses them into its epilogue).
-ACTIVATIONS = {"relu": nn.relu, "elu": nn.elu, "tanh": jnp.tanh}
+# The activations a Dense layer can apply itself are the ones the int8 kernel fuses
+# (importing kernels loads no library; that happens at the first kernel call).
+ACTIVATIONS = kernels.ACTIVATIONS
+
+Initializer = Callable[..., Any]
 
 
 def activation_fn(name: str) -> Callable[[jnp.ndarray], jnp.ndarray]:
@@ -32,9 +35,6 @@ def apply_dense(x: jnp.ndarray, kernel: Any, bias: Optional[jnp.ndarray], activa
     if isinstance(kernel, jnp.ndarray) or hasattr(kernel, "__array__"):
         y = jnp.dot(x, jnp.asarray(kernel).astype(x.dtype))
     else:
-        # Imported lazily: the float path (the learner's) needs neither module.
-        from actorq_jax import kernels, quantization
-
         if isinstance(kernel, kernels.Int8DenseWeight):
             # The kernel applies the activation in its epilogue: no separate XLA op per layer.
             return kernels.int8_dense(x, kernel, None if bias is None else bias.astype(x.dtype), activation=activation)

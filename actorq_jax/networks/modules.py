@@ -6,6 +6,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from actorq_jax import kernels
 from actorq_jax.networks.layers import Dense, activation_fn
 
 
@@ -28,8 +29,6 @@ class MLP(nn.Module):
                 norm = nn.LayerNorm(name="LayerNorm_0")
                 if self._runs_int8_kernels():
                     # Same math as one kernel call: XLA's fusions between int8 calls cost more than the layer.
-                    from actorq_jax import kernels
-
                     p = self.variables["params"]["LayerNorm_0"]
                     x = kernels.layer_norm(x, p["scale"], p["bias"], epsilon=norm.epsilon, activation="tanh")
                 else:
@@ -42,8 +41,6 @@ class MLP(nn.Module):
 
     def _runs_int8_kernels(self) -> bool:
         """Whether the first layer's weights are packed for the int8 kernel (an int8 actor's params)."""
-        from actorq_jax import kernels
-
         first = self.variables.get("params", {}).get("Dense_0", {})
         return isinstance(first.get("kernel"), kernels.Int8DenseWeight)
 

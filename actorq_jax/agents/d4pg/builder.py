@@ -1,17 +1,15 @@
 """Assembles D4PG for the shared launcher: replay table, learner step, actor and evaluation policies."""
 
 import chex
-import jax
-import jax.numpy as jnp
 import numpy as np
 
+from actorq_jax.agents.builder import AgentBuilder
 from actorq_jax.agents.d4pg import acting, learning
 from actorq_jax.agents.d4pg.config import D4PGConfig
 from actorq_jax.environments import EnvironmentSpec
-from actorq_jax.replay import ReplayTableConfig
 
 
-class D4PGBuilder:
+class D4PGBuilder(AgentBuilder):
     """What the launcher needs from D4PG (the DQN builder has the same methods)."""
 
     prioritized = False  # uniform replay: batches carry no sampling info
@@ -22,18 +20,8 @@ class D4PGBuilder:
         self.config = config
         self.spec = spec
         self.networks = learning.make_networks(config, spec)
+        self.actor_network = self.networks.policy
         self.sgd_step = learning.make_sgd_step(config, self.networks)
-
-    def replay_config(self) -> ReplayTableConfig:
-        """Uniform replay with FIFO removal, rate-limited to the configured samples per insert."""
-        c = self.config
-        return ReplayTableConfig(
-            name="replay",
-            max_size=c.max_replay_size,
-            min_size=c.min_replay_size,
-            samples_per_insert=c.samples_per_insert,
-            prioritized=False,
-        )
 
     def init_state(self, key: chex.PRNGKey) -> learning.TrainingState:
         """Fresh learner state."""
@@ -54,8 +42,3 @@ class D4PGBuilder:
     def example_action(self) -> np.ndarray:
         """An action with the replay table's dtype and shape."""
         return np.zeros((self.spec.action_dim,), np.float32)
-
-    def params_template(self) -> chex.ArrayTree:
-        """Float actor parameters of the right structure (for checking incoming payloads)."""
-        obs = jnp.zeros((1, self.spec.observation_dim), jnp.float32)
-        return self.networks.policy.init(jax.random.PRNGKey(0), obs)

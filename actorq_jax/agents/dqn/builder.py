@@ -1,17 +1,15 @@
 """Assembles DQN for the shared launcher: prioritized replay table, learner step, actor and evaluation policies."""
 
 import chex
-import jax
-import jax.numpy as jnp
 import numpy as np
 
+from actorq_jax.agents.builder import AgentBuilder
 from actorq_jax.agents.dqn import acting, learning
 from actorq_jax.agents.dqn.config import DQNConfig
 from actorq_jax.environments import EnvironmentSpec
-from actorq_jax.replay import ReplayTableConfig
 
 
-class DQNBuilder:
+class DQNBuilder(AgentBuilder):
     """What the launcher needs from DQN (the same methods as D4PGBuilder)."""
 
     prioritized = True  # batches are ReplayBatch; the learner writes metrics["priorities"] back
@@ -24,19 +22,8 @@ class DQNBuilder:
         self.config = config
         self.spec = spec
         self.network = learning.make_network(config, spec)
+        self.actor_network = self.network
         self.sgd_step = learning.make_sgd_step(config, self.network)
-
-    def replay_config(self) -> ReplayTableConfig:
-        """Prioritized replay with FIFO removal, rate-limited to the configured samples per insert."""
-        c = self.config
-        return ReplayTableConfig(
-            name="replay",
-            max_size=c.max_replay_size,
-            min_size=c.min_replay_size,
-            samples_per_insert=c.samples_per_insert,
-            prioritized=True,
-            priority_exponent=c.priority_exponent,
-        )
 
     def init_state(self, key: chex.PRNGKey) -> learning.TrainingState:
         """Fresh learner state."""
@@ -57,8 +44,3 @@ class DQNBuilder:
     def example_action(self) -> np.ndarray:
         """An action with the replay table's dtype and shape: an int32 scalar."""
         return np.zeros((), np.int32)
-
-    def params_template(self) -> chex.ArrayTree:
-        """Float Q-network parameters of the right structure (for checking incoming payloads)."""
-        obs = jnp.zeros((1, self.spec.observation_dim), jnp.float32)
-        return self.network.init(jax.random.PRNGKey(0), obs)
