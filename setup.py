@@ -33,7 +33,7 @@ class _BuildInt8Kernel(build_ext):
             self.warn(f"int8 kernel not built ({exc}); actorq_jax.kernels will use the jnp reference")
 
 
-_TEST_ONLY = ("pytest", "pytest-timeout", "nbclient", "nbformat", "ipykernel")
+_TEST_ONLY = ("pytest", "pytest-timeout", "ruff", "nbclient", "nbformat", "ipykernel")
 _reqs = _requirements()
 
 setup(

@@ -13,6 +13,7 @@ time; the headline uses W8A32, the most conservative int8 scheme).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -78,7 +79,7 @@ def worker(threads: int, quick: bool) -> list:
         rng = np.random.default_rng(hidden)
         for batch in BATCHES:
             obs = jax.numpy.asarray(rng.normal(size=(batch, OBS_DIM)).astype(np.float32))
-            fns = {v: (lambda o, p=variant_params[v]: apply(p, o)) for v in VARIANTS}
+            fns = {v: functools.partial(apply, variant_params[v]) for v in VARIANTS}
             for fn in fns.values():  # compile and warm caches
                 fn(obs).block_until_ready()
                 fn(obs).block_until_ready()

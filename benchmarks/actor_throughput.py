@@ -43,8 +43,7 @@ def _serve(backend: str, bits: int, publish_every: float, stop: threading.Event,
     from actorq_jax.launch import runtime
     from actorq_jax.launch.config import RunConfig
     from actorq_jax.quantization import QuantConfig
-    from actorq_jax.replay import (ReplayServer, ReplayTableConfig, VariablePublisher, make_replay_table,
-                                   make_variables_table)
+    from actorq_jax.replay import ReplayServer, ReplayTableConfig, VariablePublisher, make_replay_table, make_variables_table
 
     agent = D4PGConfig(policy_layers=LAYERS)
     run = RunConfig(agent="d4pg", task=TASK, results_dir=results_dir, actor_bits=bits, actor_backend=backend,

@@ -27,8 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 
-from actorq_jax.quantization import (  # noqa: E402
-    QuantConfig, dequantize, from_wire, quantize, to_wire, wire_nbytes)
+from actorq_jax.quantization import QuantConfig, dequantize, from_wire, quantize, to_wire, wire_nbytes  # noqa: E402
 from actorq_jax.telemetry.machine import machine_info  # noqa: E402
 
 BITS = (32, 16, 8, 4)

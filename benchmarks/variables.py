@@ -102,8 +102,15 @@ def _median_ms(values) -> float:
 def run(quick: bool) -> dict:
     """Measures everything; returns the JSON report."""
     from actorq_jax.quantization import QuantConfig
-    from actorq_jax.replay import (ReplayDataset, ReplayServer, ReplayTableConfig, VariablePublisher,
-                                   make_replay_table, make_variables_table, wait_for_server)
+    from actorq_jax.replay import (
+        ReplayDataset,
+        ReplayServer,
+        ReplayTableConfig,
+        VariablePublisher,
+        make_replay_table,
+        make_variables_table,
+        wait_for_server,
+    )
 
     trials = 4 if quick else 15
     adder_s, learner_s = (3.0, 2.0) if quick else (10.0, 8.0)

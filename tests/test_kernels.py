@@ -1,5 +1,6 @@
 """Int8 dense kernels: every instruction-set path against the pure-jnp reference of the same math."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -13,12 +14,12 @@ import pytest
 from actorq_jax import kernels
 from actorq_jax.kernels import (
     Int8DenseWeight,
+    _library,
     int8_dense,
     pack_dense,
     pack_params,
     reference_int8_dense,
 )
-from actorq_jax.kernels import _library
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -150,7 +151,7 @@ def test_w4a8_refuses_values_beyond_four_bits():
 def test_fused_activations_match_reference(path, mode):
     rng = np.random.default_rng(10)
     for activation in ("relu", "elu", "tanh"):
-        fn = jax.jit(lambda x, w, b: int8_dense(x, w, b, path=path, activation=activation))
+        fn = jax.jit(functools.partial(int8_dense, path=path, activation=activation))
         for batch, K, N in SHAPES[::2] + [(1, 2048, 6), (3, 64, 70)]:
             x, w, bias, values, scale = _case(rng, batch, K, N, "w8a8" if mode == "w4a8" else mode)
             if mode == "w4a8":
@@ -188,7 +189,8 @@ def test_layer_norm_matches_flax(path):
         flax_y = np.asarray(norm.apply({"params": {"scale": scale, "bias": bias}}, x))
         np.testing.assert_allclose(np.asarray(kernels.reference_layer_norm(x, scale, bias, 1e-5)), flax_y, atol=1e-6)
         for activation in (None, "tanh", "elu"):
-            fn = jax.jit(lambda v: kernels.layer_norm(v, scale, bias, epsilon=1e-5, activation=activation, path=path))
+            fn = jax.jit(functools.partial(kernels.layer_norm, scale=scale, bias=bias, epsilon=1e-5,
+                                           activation=activation, path=path))
             y = np.asarray(fn(x))
             ref = np.asarray(kernels.reference_layer_norm(x, scale, bias, 1e-5, activation))
             np.testing.assert_allclose(y, ref, rtol=0, atol=2e-6 * max(1.0, float(np.abs(ref).max())),
@@ -373,7 +375,7 @@ def test_reference_path_gives_same_answer():
     for mode in ("w8a32", "w8a8"):
         x, w, bias, _, _ = _case(rng, 5, 77, 40, mode)
         y = int8_dense(x, w, bias)
-        y_ref = jax.jit(lambda a: int8_dense(a, w, bias, path="reference"))(x)
+        y_ref = jax.jit(functools.partial(int8_dense, path="reference"))(x, w, bias)
         assert _max_rel_err(y, y_ref) < 1e-5
 
 
@@ -414,11 +416,11 @@ def test_pack_params_and_int8_policy(activation, layer_norm):
     fake = net.apply(qparams, obs)  # the same quantized weights, applied through jnp
     for mode in ("w8a32", "w8a8"):
         packed = pack_params(qparams, mode=mode)
-        leaves = jax.tree_util.tree_leaves(packed, is_leaf=lambda l: isinstance(l, Int8DenseWeight))
-        n_int8 = sum(isinstance(l, Int8DenseWeight) for l in leaves)
-        n_quant = sum(isinstance(l, QuantizedTensor) for l in jax.tree_util.tree_leaves(
-            qparams, is_leaf=lambda l: isinstance(l, QuantizedTensor)))
-        assert n_int8 == n_quant >= 3 and all(getattr(l, "mode", mode) == mode for l in leaves)
+        leaves = jax.tree_util.tree_leaves(packed, is_leaf=lambda leaf: isinstance(leaf, Int8DenseWeight))
+        n_int8 = sum(isinstance(leaf, Int8DenseWeight) for leaf in leaves)
+        n_quant = sum(isinstance(leaf, QuantizedTensor) for leaf in jax.tree_util.tree_leaves(
+            qparams, is_leaf=lambda leaf: isinstance(leaf, QuantizedTensor)))
+        assert n_int8 == n_quant >= 3 and all(getattr(leaf, "mode", mode) == mode for leaf in leaves)
         actions = jax.jit(net.apply)(packed, obs)
         tol = 1e-5 if mode == "w8a32" else 0.05
         assert _max_rel_err(actions, fake) < tol, mode
@@ -434,7 +436,8 @@ def test_pack_params_and_int8_policy(activation, layer_norm):
     # Asymmetric tensors are dequantized to float32; other leaves pass through.
     asym = quantize(params, QuantConfig(bits=8, symmetric=False))
     packed = pack_params(asym)
-    kinds = {type(l).__name__ for l in jax.tree_util.tree_leaves(packed, is_leaf=lambda l: isinstance(l, Int8DenseWeight))}
+    is_weight = lambda leaf: isinstance(leaf, Int8DenseWeight)  # noqa: E731
+    kinds = {type(leaf).__name__ for leaf in jax.tree_util.tree_leaves(packed, is_leaf=is_weight)}
     assert "Int8DenseWeight" not in kinds and "QuantizedTensor" not in kinds
     kernel = packed["params"]["torso"]["Dense_0"]["kernel"]
     assert kernel.dtype == jnp.float32 and kernel.shape == (24, 64)

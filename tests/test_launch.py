@@ -130,7 +130,9 @@ def test_remote_actor_contributes_transitions(run):
 @pytest.mark.timeout(600)
 def test_results_directory_is_complete(run):
     d = run["dir"]
-    for name in ("config.json", "summary.json", "learner.csv", "eval.csv", "emissions.csv", "actors/actor_0.csv", "actors/actor_1.csv"):
+    names = ("config.json", "summary.json", "learner.csv", "eval.csv", "emissions.csv",
+             "actors/actor_0.csv", "actors/actor_1.csv")
+    for name in names:
         assert (d / name).exists(), name
     summary = json.loads((d / "summary.json").read_text())
     for key in ("env_steps", "learner_steps", "wall_seconds", "final_eval_return", "best_eval_return",

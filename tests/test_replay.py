@@ -18,10 +18,21 @@ import pytest
 import reverb
 
 from actorq_jax.quantization import QuantConfig, quantize, to_wire
-from actorq_jax.replay import (NStepAdder, ReplayDataset, ReplayServer, ReplayTableConfig,
-                               Transition, VariableClient, VariablePublisher, make_replay_table,
-                               make_variables_table, parse_address, transition_signature,
-                               update_priorities, wait_for_server)
+from actorq_jax.replay import (
+    NStepAdder,
+    ReplayDataset,
+    ReplayServer,
+    ReplayTableConfig,
+    Transition,
+    VariableClient,
+    VariablePublisher,
+    make_replay_table,
+    make_variables_table,
+    parse_address,
+    transition_signature,
+    update_priorities,
+    wait_for_server,
+)
 
 OBS_DIM, ACT_DIM = 3, 2
 OBS = np.zeros(OBS_DIM, np.float32)

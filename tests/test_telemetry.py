@@ -18,7 +18,6 @@ from actorq_jax.telemetry import (
     write_json,
 )
 
-
 # ----------------------------------------------------------------- PhaseTimer
 
 

@@ -54,8 +54,10 @@ def build_parser(agent: str, agent_config_cls: type, description: str) -> argpar
     run.add_argument("--eval_period", type=int, default=1000, help="learner steps between evaluations")
     run.add_argument("--eval_episodes", type=int, default=1, help="greedy episodes per evaluation and policy")
     run.add_argument("--checkpoint_period", type=int, default=5000, help="learner steps between checkpoints")
-    run.add_argument("--results_dir", default=None, help="results directory (default: results/<agent>_<task>_q<bits>_s<seed>_<time>)")
-    run.add_argument("--resume", default=None, metavar="RESULTS_DIR", help="continue the run in RESULTS_DIR from its last checkpoint")
+    run.add_argument("--results_dir", default=None,
+                     help="results directory (default: results/<agent>_<task>_q<bits>_s<seed>_<time>)")
+    run.add_argument("--resume", default=None, metavar="RESULTS_DIR",
+                     help="continue the run in RESULTS_DIR from its last checkpoint")
     run.add_argument("--country", default="USA", help="ISO 3166 alpha-3 code for codecarbon's carbon intensity")
     run.add_argument("--actor_threads", type=int, default=1, help="XLA/intra-op threads per actor")
     run.add_argument("--learner_threads", type=int, default=0, help="XLA threads of the learner (0: all cores)")

@@ -127,7 +127,8 @@ class Launcher:
                 self._say(f"learner up; remote actors join with: python -m actorq_jax.launch.actor --server {address}")
                 server = runtime.read_status(self.results_dir, "learner")["local_address"]
                 for i in range(run.num_actors):
-                    self.workers.append(Worker(f"actor_{i}", "actor", ["--actor_id", str(i), "--server", server], run.actor_threads))
+                    args = ["--actor_id", str(i), "--server", server]
+                    self.workers.append(Worker(f"actor_{i}", "actor", args, run.actor_threads))
                 self.workers.append(Worker("evaluator", "evaluator", ["--server", server], run.actor_threads))
                 for w in self.workers[1:]:
                     self._start(w)
@@ -181,7 +182,8 @@ class Launcher:
                     self._start(w)
                 else:
                     w.gave_up = True
-                    self._say(f"{w.name} died (exit code {code}) after {w.restarts} restarts; the run goes on without it:\n{self._log_tail(w)}")
+                    self._say(f"{w.name} died (exit code {code}) after {w.restarts} restarts; "
+                              f"the run goes on without it:\n{self._log_tail(w)}")
             env_steps = int(status.get("env_steps", 0))
             learner_steps = int(status.get("learner_steps", 0))
             elapsed = time.monotonic() - start

@@ -53,7 +53,8 @@ class Learner:
                 self.state, counters = restored
                 # Replay starts empty after a resume; env steps carry on from the checkpoint.
                 self.env_steps_offset = int(counters.get("env_steps", 0))
-        self.publisher = VariablePublisher(self.client, runtime.VARIABLES_TABLE, QuantConfig(bits=run.wire_bits, granularity=run.granularity))
+        wire = QuantConfig(bits=run.wire_bits, granularity=run.granularity)
+        self.publisher = VariablePublisher(self.client, runtime.VARIABLES_TABLE, wire)
         self.eval_publisher = VariablePublisher(self.client, runtime.EVAL_VARIABLES_TABLE, QuantConfig(bits=32))
         self._dataset: Optional[ReplayDataset] = None
         self._env_steps_cache = (0.0, self.env_steps_offset)

@@ -7,7 +7,6 @@ from typing import Iterator, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 import reverb
-import tensorflow as tf
 
 from actorq_jax.replay.server import wait_for_server
 from actorq_jax.replay.types import Transition
