@@ -1,0 +1,13 @@
+"""The columns of a run's CSV streams, written once for the processes that write them and the code that reads them."""
+
+# Phases an actor's time is split into (seconds per episode in actors/actor_<i>.csv), in the
+# order bars are stacked in the actor-time figure.
+ACTOR_PHASES = ("env_step", "inference", "adder", "pull", "deserialize", "load")
+
+# actors/actor_<i>.csv: one row per finished episode.
+ACTOR_FIELDS = (
+    "actor_id", "episode", "env_steps", "episode_return", "episode_length", "wall_seconds", "params_version",
+) + tuple(f"{phase}_s" for phase in ACTOR_PHASES)
+
+# eval.csv: one row per evaluation episode and policy ("fp32", or "actor": what actors run).
+EVAL_FIELDS = ("wall_seconds", "env_steps", "learner_steps", "policy", "bits", "episode", "return", "final")
