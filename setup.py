@@ -9,8 +9,8 @@ from setuptools.command.build_ext import build_ext
 HERE = Path(__file__).parent
 
 
-def _requirements() -> list:
-    lines = (HERE / "requirements.txt").read_text().splitlines()
+def _requirements(name: str = "requirements.txt") -> list:
+    lines = (HERE / name).read_text().splitlines()
     return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
 
 
@@ -43,7 +43,7 @@ setup(
     packages=find_packages(include=["actorq_jax", "actorq_jax.*"]),
     python_requires=">=3.9,<3.12",
     install_requires=[r for r in _reqs if not r.startswith(_TEST_ONLY)],
-    extras_require={"test": [r for r in _reqs if r.startswith(_TEST_ONLY)]},
+    extras_require={"test": [r for r in _reqs if r.startswith(_TEST_ONLY)], "bench": _requirements("requirements-bench.txt")},
     ext_modules=[Extension("actorq_jax.kernels._int8_kernels", sources=[])],
     cmdclass={"build_ext": _BuildInt8Kernel},
 )
