@@ -20,7 +20,9 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any, Callable, Dict, Tuple
 
+from actorq_jax.telemetry import write_json
 from actorq_jax.telemetry.machine import machine_info
 
 HIDDEN = (256, 2048, 4096)
@@ -31,7 +33,7 @@ VARIANTS = ("fp32", "w8a32", "w8a8", "w4a8")
 WORKER_TIMEOUT_S = 900  # a full run's worker takes well under a minute; a hang must not stall the run
 
 
-def _xla_flags(threads: int) -> str:
+def xla_flags(threads: int) -> str:
     """XLA CPU flags that hold the float32 side to ``threads`` threads."""
     if threads == 1:
         flags = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
@@ -41,15 +43,55 @@ def _xla_flags(threads: int) -> str:
     return f"{existing} {flags}".strip()
 
 
-def _time_calls(fn, arg, min_seconds: float) -> float:
-    """Mean seconds per call of fn(arg) over at least min_seconds (and at least 2 calls)."""
+def time_calls(call: Callable[[], Any], min_seconds: float) -> float:
+    """Mean seconds per call of call() (which must block until done) over at least min_seconds and 2 calls."""
     calls, start = 0, time.perf_counter()
     while True:
-        fn(arg).block_until_ready()
+        call()
         calls += 1
         elapsed = time.perf_counter() - start
         if calls >= 2 and elapsed >= min_seconds:
             return elapsed / calls
+
+
+def interleaved_medians(calls: Dict[str, Callable[[], Any]], trials: int, min_seconds: float) -> Dict[str, float]:
+    """Median microseconds per call of each named call, over trials run in a rotating interleaved order."""
+    names = list(calls)
+    for call in calls.values():  # compile and warm caches
+        call()
+        call()
+    times = {name: [] for name in names}
+    for trial in range(trials):
+        # Rotate the order each trial so no variant always runs first.
+        order = names[trial % len(names):] + names[: trial % len(names)]
+        for name in order:
+            times[name].append(time_calls(calls[name], min_seconds))
+    return {name: statistics.median(times[name]) * 1e6 for name in names}
+
+
+def _forward(apply: Callable, params: Any, obs: Any) -> None:
+    apply(params, obs).block_until_ready()
+
+
+def policy_variants(hidden: int) -> Tuple[Callable, Dict[str, Any]]:
+    """The jitted apply of the 24 -> hidden x3 -> 6 tanh policy, and its params per variant (fp32 and packed)."""
+    import jax
+    import numpy as np
+
+    from actorq_jax import kernels
+    from actorq_jax.networks import PolicyNetwork
+    from actorq_jax.quantization import QuantConfig, quantize
+
+    net = PolicyNetwork(action_dim=ACTION_DIM, layer_sizes=(hidden,) * 3, activation="tanh")
+    params = net.init(jax.random.PRNGKey(0), np.zeros((1, OBS_DIM), np.float32))
+    qparams = quantize(params, QuantConfig(bits=8))
+    variant_params = {
+        "fp32": params,
+        "w8a32": kernels.pack_params(qparams, mode="w8a32"),
+        "w8a8": kernels.pack_params(qparams, mode="w8a8"),
+        "w4a8": kernels.pack_params(quantize(params, QuantConfig(bits=4)), mode="w4a8"),
+    }
+    return jax.jit(net.apply), variant_params
 
 
 def worker(threads: int, quick: bool) -> list:
@@ -58,38 +100,18 @@ def worker(threads: int, quick: bool) -> list:
     import numpy as np
 
     from actorq_jax import kernels
-    from actorq_jax.networks import PolicyNetwork
-    from actorq_jax.quantization import QuantConfig, quantize
 
     kernels.set_num_threads(threads)
     trials = 3 if quick else 7
     min_seconds = 0.005 if quick else 0.02
     rows = []
     for hidden in HIDDEN:
-        net = PolicyNetwork(action_dim=ACTION_DIM, layer_sizes=(hidden,) * 3, activation="tanh")
-        params = net.init(jax.random.PRNGKey(0), np.zeros((1, OBS_DIM), np.float32))
-        qparams = quantize(params, QuantConfig(bits=8))
-        variant_params = {
-            "fp32": params,
-            "w8a32": kernels.pack_params(qparams, mode="w8a32"),
-            "w8a8": kernels.pack_params(qparams, mode="w8a8"),
-            "w4a8": kernels.pack_params(quantize(params, QuantConfig(bits=4)), mode="w4a8"),
-        }
-        apply = jax.jit(net.apply)
+        apply, variant_params = policy_variants(hidden)
         rng = np.random.default_rng(hidden)
         for batch in BATCHES:
             obs = jax.numpy.asarray(rng.normal(size=(batch, OBS_DIM)).astype(np.float32))
-            fns = {v: functools.partial(apply, variant_params[v]) for v in VARIANTS}
-            for fn in fns.values():  # compile and warm caches
-                fn(obs).block_until_ready()
-                fn(obs).block_until_ready()
-            times = {v: [] for v in VARIANTS}
-            for trial in range(trials):
-                # Rotate the order each trial so no variant always runs first.
-                order = VARIANTS[trial % len(VARIANTS):] + VARIANTS[: trial % len(VARIANTS)]
-                for v in order:
-                    times[v].append(_time_calls(fns[v], obs, min_seconds))
-            med = {v: statistics.median(times[v]) * 1e6 for v in VARIANTS}
+            calls = {v: functools.partial(_forward, apply, variant_params[v], obs) for v in VARIANTS}
+            med = interleaved_medians(calls, trials, min_seconds)
             rows.append({
                 "hidden": hidden,
                 "batch": batch,
@@ -106,9 +128,10 @@ def worker(threads: int, quick: bool) -> list:
     return rows
 
 
-def _run_worker(threads: int, quick: bool) -> list:
-    env = dict(os.environ, XLA_FLAGS=_xla_flags(threads), JAX_PLATFORMS="cpu")
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", str(threads)]
+def run_worker(script: str, threads: int, quick: bool) -> list:
+    """Runs ``script --worker threads`` in a subprocess with XLA held to that many threads; its JSON rows."""
+    env = dict(os.environ, XLA_FLAGS=xla_flags(threads), JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, os.path.abspath(script), "--worker", str(threads)]
     if quick:
         cmd.append("--quick")
     try:
@@ -122,21 +145,39 @@ def _run_worker(threads: int, quick: bool) -> list:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def main(argv: list | None = None) -> int:
-    """Runs every thread setting in a subprocess, prints the table, writes --json."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer trials (under a minute)")
+def parse_args(argv: list | None, description: str, quick_help: str) -> argparse.Namespace:
+    """The options every inference benchmark takes: --quick, --json PATH, and the internal --worker THREADS."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help=quick_help)
     parser.add_argument("--json", default=None, help="write results here")
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def print_rows(rows: list) -> int:
+    """A worker's output: its rows as one JSON line on stdout (what run_worker reads); exit status 0."""
+    print(json.dumps(rows))
+    return 0
+
+
+def report(json_path: str | None, name: str, machine: dict, rows: list, headline: dict, meaning: str) -> int:
+    """Prints the headline and writes the --json result (if asked); a benchmark's exit status, 0."""
+    print(f"headline ({meaning}):", json.dumps(headline))
+    if json_path:
+        write_json(json_path, {"benchmark": name, "machine": machine, "rows": rows, "headline": headline})
+    return 0
+
+
+def main(argv: list | None = None) -> int:
+    """Runs every thread setting in a subprocess, prints the table, writes --json."""
+    args = parse_args(argv, __doc__.splitlines()[0], "fewer trials (under a minute)")
     if args.worker is not None:
-        print(json.dumps(worker(args.worker, args.quick)))
-        return 0
+        return print_rows(worker(args.worker, args.quick))
 
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     rows = []
     for threads in THREADS:
-        rows.extend(_run_worker(threads, args.quick))
+        rows.extend(run_worker(__file__, threads, args.quick))
     machine = machine_info()
     kernel = rows[0]["kernel"] if rows else "unknown"
     print(f"actor_inference: MLP {OBS_DIM}->Hx3->{ACTION_DIM} (tanh), median us per forward; {kernel}")
@@ -165,12 +206,7 @@ def main(argv: list | None = None) -> int:
         "speedup_4096x3_b1_t1": speedup(4096, 1, 1),
         "speedup_2048x3_b1_t2": speedup(2048, 1, 2),
     }
-    print("headline (fp32 / int8 w8a32):", json.dumps(headline))
-    if args.json:
-        result = {"benchmark": "actor_inference", "machine": machine, "rows": rows, "headline": headline}
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
-    return 0
+    return report(args.json, "actor_inference", machine, rows, headline, "fp32 / int8 w8a32")
 
 
 if __name__ == "__main__":

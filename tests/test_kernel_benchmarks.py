@@ -1,6 +1,7 @@
 """The int8 benchmarks run end to end (--quick) and report every case and the headline keys BENCHMARKS.md names."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -29,6 +30,25 @@ def test_actor_inference_quick(tmp_path):
     assert set(result["headline"]) == {"speedup_256x3_b1_t1", "speedup_2048x3_b1_t1", "speedup_4096x3_b1_t1",
                                        "speedup_2048x3_b1_t2"}
     assert all(v > 0 for v in result["headline"].values())
+
+
+@pytest.mark.timeout(300)
+def test_peers_quick(tmp_path):
+    # ONNX Runtime comes with the bench extra, which scripts/test.sh installs: CI runs this.
+    pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install -r requirements-bench.txt)")
+    pytest.importorskip("onnx", reason="onnx not installed (pip install -r requirements-bench.txt)")
+    result = _run("peers.py", tmp_path / "peers.json", 280)
+    assert result["benchmark"] == "peers" and result["machine"]["onnxruntime"] != "not installed"
+    variants = ("xla_fp32", "w8a32", "w8a8", "w4a8", "ort_fp32", "ort_int8")
+    for row in result["rows"]:
+        assert all(math.isfinite(row[f"{v}_us"]) and row[f"{v}_us"] > 0 for v in variants), row
+        # The engines computed the same policy: fp32 agrees closely, int8 within quantization error.
+        assert row["ort_fp32_max_abs_err"] < 1e-4 and row["ort_int8_max_abs_err"] < 0.05, row
+    expected = {f"{ours}_vs_{peer}_{h}_b{b}" for peer in ("ort_int8", "ort_fp32")
+                for ours, h, b in (("w8a8", 256, 1), ("w8a8", 2048, 1), ("w8a8", 2048, 8), ("w8a8", 2048, 32),
+                                   ("w8a8", 4096, 8), ("w4a8", 2048, 1))}
+    assert set(result["headline"]) == expected
+    assert all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in result["headline"].values())
 
 
 @pytest.mark.timeout(600)
