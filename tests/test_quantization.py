@@ -23,7 +23,7 @@ from actorq_jax.quantization import (
     to_wire,
     wire_nbytes,
 )
-from actorq_jax.quantization.wire import pack_values, unpack_values
+from actorq_jax.quantization.wire import pack_values, unpack_values, wire_meta
 
 INT_BITS = list(range(2, 9))
 GRANULARITIES = ["per_channel", "per_tensor"]
@@ -502,6 +502,69 @@ def test_malformed_payloads_raise_value_error():
         from_wire(retyped)
     with pytest.raises(ValueError, match="version"):
         to_wire(quantize(net, QuantConfig()), version="latest")
+
+
+def test_like_gives_the_payload_the_networks_structure():
+    net = {"layers": (kernel((16, 8)), kernel((8, 4), seed=1)), "bias": np.zeros(4, np.float32)}
+    q = quantize(net, QuantConfig(bits=4, min_size=0))
+    back, _ = from_wire(to_wire(q), like=net)
+    assert isinstance(back["layers"], tuple)  # without like, tuples come back as lists
+    assert_bit_exact(back, q)
+    assert isinstance(from_wire(to_wire(q))[0]["layers"], list)
+
+
+def test_meta_travels_in_the_header():
+    arrays = to_wire(quantize(small_net(), QuantConfig(bits=8)), version=3, meta={"max_priority": 7.5})
+    assert wire_meta(arrays) == {"max_priority": 7.5}
+    assert wire_meta(to_wire(quantize(small_net(), QuantConfig(bits=8)))) == {}
+    with pytest.raises(ValueError, match="max_priority"):
+        to_wire(quantize(small_net(), QuantConfig(bits=8)), meta={"max_priority": float("nan")})
+
+
+@pytest.mark.parametrize("cfg", [QuantConfig(bits=8, min_size=0), QuantConfig(bits=4, symmetric=False, min_size=0),
+                                 QuantConfig(bits=32), QuantConfig(bits=16, half="fp16")],
+                         ids=["b8", "b4-asym", "f32", "fp16"])
+def test_non_finite_payloads_are_malformed(cfg):
+    arrays = to_wire(quantize(small_net(), cfg))
+    header = _header(arrays)
+    for entry in header["leaves"]:
+        # The scale (quantized) or the data (float) of each leaf in turn.
+        index = entry["arrays"][1 if entry["kind"] == "quantized" else 0]
+        for bad in (np.inf, np.nan, 3e38):
+            broken = [np.array(a, copy=True) for a in arrays]
+            if entry["kind"] == "half":
+                broken[index][0] = np.float16(bad if bad != 3e38 else np.inf).view(np.uint16)
+            else:
+                broken[index][0] = bad
+            if bad == 3e38 and entry["kind"] != "quantized":
+                continue  # a large but finite float weight is a valid weight
+            with pytest.raises(ValueError, match="/".join(map(str, entry["path"]))):
+                from_wire(broken)
+
+
+def test_random_byte_flips_give_value_error_or_finite_weights():
+    rng = np.random.default_rng(2026)
+    payloads = [to_wire(quantize(small_net(), cfg)) for cfg in (
+        QuantConfig(bits=8, min_size=0), QuantConfig(bits=4, min_size=0), QuantConfig(bits=3, symmetric=False, min_size=0),
+        QuantConfig(bits=32), QuantConfig(bits=16, half="bf16"))]
+    outcomes = {"rejected": 0, "accepted": 0}
+    for trial in range(800):
+        arrays = [np.array(a, copy=True) for a in payloads[trial % len(payloads)]]
+        for _ in range(int(rng.integers(1, 4))):
+            target = arrays[int(rng.integers(len(arrays)))]
+            raw = target.view(np.uint8)
+            raw[int(rng.integers(raw.size))] ^= np.uint8(1 << int(rng.integers(8)))
+        try:
+            qparams, _ = from_wire(arrays)
+        except ValueError:
+            outcomes["rejected"] += 1
+            continue
+        outcomes["accepted"] += 1
+        for leaf in jax.tree_util.tree_leaves(dequantize(qparams)):
+            leaf = np.asarray(leaf)
+            if np.issubdtype(leaf.dtype, np.floating):
+                assert np.all(np.isfinite(leaf)), f"trial {trial}: accepted a payload that dequantizes to NaN/inf"
+    assert outcomes["rejected"] > 0 and outcomes["accepted"] > 0, outcomes
 
 
 # ----------------------------------------------------------------------------- benchmark smoke

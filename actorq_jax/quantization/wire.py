@@ -22,14 +22,22 @@ indices; [] for a tree that is a single leaf), "kind" and kind-specific fields:
   "array"      shape, dtype (numpy name: float32, int32, bool, ...), arrays=[raw]
   "empty_dict" / "empty_list"  an empty container, no arrays.
 
-``from_wire(to_wire(q))`` is bit-exact. Containers come back as dicts (keys in
-payload order) and lists (tuples become lists).
+``from_wire(to_wire(q))`` is bit-exact. Given ``like`` (the receiving network's
+tree), the payload comes back in ``like``'s structure (tuples stay tuples); without
+it, containers come back as dicts (keys in payload order) and lists.
+
+Optional header key "meta": a JSON object of numbers the publisher sends along
+(e.g. the learner's maximum priority); read it with ``wire_meta(arrays)``.
+
+A payload whose scales or float leaves are not finite, or whose dequantized
+values would overflow float32, is malformed (ValueError): an actor would turn it
+into NaN actions.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, List, Mapping, Optional, Sequence, Tuple  # noqa: F401
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -180,16 +188,6 @@ def _key_str(k) -> str:
     return str(k)
 
 
-def _leaf_shapes(tree) -> dict:
-    """{path string: shape} of a tree's leaves (QuantizedTensor -> its values' shape)."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_quantized_leaf)
-    out = {}
-    for kp, leaf in flat:
-        shape = leaf.shape if is_quantized_leaf(leaf) else np.shape(leaf)
-        out[_path_str([_key_str(k) for k in kp])] = tuple(int(d) for d in shape)
-    return out
-
-
 # ----------------------------------------------------------------------------- to_wire
 
 def _le(a: np.ndarray) -> np.ndarray:
@@ -199,14 +197,16 @@ def _le(a: np.ndarray) -> np.ndarray:
     return a.reshape(-1)
 
 
-def to_wire(qparams: QuantizedParams, version: int = 0) -> List[np.ndarray]:
+def to_wire(qparams: QuantizedParams, version: int = 0,
+            meta: Optional[Dict[str, float]] = None) -> List[np.ndarray]:
     """Flat list of numpy arrays (a JSON header, then data) that Reverb can carry.
 
     ``version`` (e.g. the learner step) travels in the header and comes back from
-    ``from_wire``.
+    ``from_wire``; ``meta`` (finite numbers by name) comes back from ``wire_meta``.
     """
     if isinstance(version, (bool, np.bool_)) or not isinstance(version, (int, np.integer)):
         raise ValueError(f"version must be an int, got {version!r}")
+    meta = _check_meta(meta or {}, ValueError)
     nodes = _walk(qparams, (), [])
     # One device->host transfer for all leaves.
     host = jax.device_get([n for _, n in nodes if not isinstance(n, str)])
@@ -261,9 +261,29 @@ def to_wire(qparams: QuantizedParams, version: int = 0) -> List[np.ndarray]:
         entries.append(entry)
     header = {"format": FORMAT, "format_version": FORMAT_VERSION, "version": int(version),
               "num_arrays": len(arrays), "packing": "lsb-bitstream", "leaves": entries}
+    if meta:
+        header["meta"] = meta
     arrays[0] = np.frombuffer(json.dumps(header, separators=(",", ":")).encode("utf-8"),
                               dtype=np.uint8)
     return arrays
+
+
+def _check_meta(meta: Any, error: Any) -> Dict[str, float]:
+    """meta as {str: finite float}; raises `error` naming the bad entry."""
+    if not isinstance(meta, Mapping):
+        raise error(f"meta must be a mapping of names to numbers, got {meta!r}")
+    out = {}
+    for key, value in meta.items():
+        if (not isinstance(key, str) or isinstance(value, (bool, np.bool_))
+                or not isinstance(value, (int, float, np.integer, np.floating)) or not np.isfinite(value)):
+            raise error(f"meta entry {key!r}: {value!r} is not a finite number")
+        out[key] = float(value)
+    return out
+
+
+def wire_meta(arrays: Sequence[np.ndarray]) -> Dict[str, float]:
+    """The header's "meta" numbers ({} when the publisher sent none); ValueError when malformed."""
+    return _check_meta(_parse_header(arrays).get("meta", {}), _bad)
 
 
 def wire_nbytes(arrays: Sequence[np.ndarray]) -> int:
@@ -359,6 +379,7 @@ def _decode_leaf(arrays, entry, where):
             zp = zp.reshape(scale_shape)
         if len(entry["arrays"]) != (2 if symmetric else 3):
             raise _bad(f"{where}: wrong number of arrays for a quantized leaf")
+        _check_dequantizable(scale, zp, bits, where)
         return QuantizedTensor(values=values, scale=scale, zero_point=zp, bits=bits)
     if kind in ("half", "array"):
         shape = _shape(entry, where)
@@ -374,8 +395,28 @@ def _decode_leaf(arrays, entry, where):
             out = _data(arrays, entry, 0, where, dtypes[name], n).astype(dtypes[name], copy=False)
         if len(entry["arrays"]) != 1:
             raise _bad(f"{where}: wrong number of arrays for a {kind} leaf")
+        if np.issubdtype(out.dtype, np.floating) or kind == "half":
+            with np.errstate(invalid="ignore"):
+                finite = bool(np.all(np.isfinite(out)))
+            if not finite:
+                raise _bad(f"{where}: float leaf holds NaN or inf")
         return out.reshape(shape)
     raise _bad(f"{where}: unknown kind {kind!r}")
+
+
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _check_dequantizable(scale: np.ndarray, zero_point: Optional[np.ndarray], bits: int, where: str) -> None:
+    """Rejects scales that are not finite, or that would make (values - zero_point) * scale overflow float32."""
+    if not np.all(np.isfinite(scale)):
+        raise _bad(f"{where}: scale holds NaN or inf")
+    if scale.size == 0:
+        return
+    offset = 0.0 if zero_point is None else float(np.max(np.abs(zero_point.astype(np.float64))))
+    bound = float(np.max(np.abs(scale.astype(np.float64)))) * (2.0 ** (bits - 1) + offset)
+    if bound > _F32_MAX:
+        raise _bad(f"{where}: scale and zero point would dequantize past float32's range ({bound:.3g})")
 
 
 def _insert(root, path, value, where):
@@ -414,18 +455,29 @@ def from_wire(arrays: Sequence[np.ndarray], like: Optional[Any] = None) -> Tuple
     """(QuantizedParams, version) from a ``to_wire`` payload; bit-exact.
 
     With ``like`` (the receiving network's float params tree, or any tree of
-    arrays/QuantizedTensors), a payload whose leaf paths or shapes differ raises
-    ValueError naming each mismatching leaf path. Malformed payloads raise
-    ValueError. Leaves come back as jax arrays (one device_put for the tree).
-    Unpacked (< 8 bit) values are fresh arrays; 8-bit values, halves and float
-    leaves are views of ``arrays``, which jax on CPU may alias without a copy:
-    do not write into the wire arrays afterwards.
+    arrays/QuantizedTensors), the result has ``like``'s structure, and a payload
+    whose leaf paths or shapes differ raises ValueError naming each mismatching
+    leaf path. Malformed payloads raise ValueError. Leaves come back as jax
+    arrays (one device_put for the tree). Unpacked (< 8 bit) values are fresh
+    arrays; 8-bit values, halves and float leaves are views of ``arrays``, which
+    jax on CPU may alias without a copy: do not write into the wire arrays afterwards.
     """
     header = _parse_header(arrays)
-    root = _EMPTY
-    shapes = {}
-    leaves = []
-    for entry in header["leaves"]:
+    nodes = _decode_nodes(arrays, header["leaves"])
+    refs = sorted(i for e in header["leaves"] for i in e.get("arrays", []))
+    if refs != list(range(1, len(arrays))):
+        raise _bad("every data array must be referenced by exactly one leaf")
+    root = _nest(nodes) if like is None else _shape_like(nodes, like)
+    # One host->device transfer for the whole tree.
+    return jax.device_put(root), int(header["version"])
+
+
+def _decode_nodes(arrays, entries) -> List[Tuple[tuple, Any]]:
+    """(path, value) of every header entry: decoded leaves, or {} / [] for empty containers."""
+    if not entries:
+        raise _bad("payload holds no leaves")
+    nodes, seen = [], set()
+    for entry in entries:
         if not isinstance(entry, dict):
             raise _bad("a leaf entry is not an object")
         path = entry.get("path")
@@ -434,28 +486,37 @@ def from_wire(arrays: Sequence[np.ndarray], like: Optional[Any] = None) -> Tuple
                            for k in path)):
             raise _bad(f"bad leaf path {path!r}")
         where = _path_str(path)
+        if where in seen:
+            raise _bad(f"{where}: duplicate path")
+        seen.add(where)
         kind = entry.get("kind")
         if kind in ("empty_dict", "empty_list"):
-            value = {} if kind == "empty_dict" else []
+            nodes.append((tuple(path), {} if kind == "empty_dict" else []))
         else:
-            value = _decode_leaf(arrays, entry, where)
-            shapes[where] = value.shape if is_quantized_leaf(value) else tuple(value.shape)
-            leaves.append(value)
-        root = _insert(root, tuple(path), value, where)
-    if root is _EMPTY:
-        raise _bad("payload holds no leaves")
-    refs = sorted(i for e in header["leaves"] for i in e.get("arrays", []))
-    if refs != list(range(1, len(arrays))):
-        raise _bad("every data array must be referenced by exactly one leaf")
-    if like is not None:
-        _check_like(shapes, like)
-    # One host->device transfer for the whole tree.
-    root = jax.device_put(root)
-    return root, int(header["version"])
+            nodes.append((tuple(path), _decode_leaf(arrays, entry, where)))
+    return nodes
 
 
-def _check_like(shapes: dict, like) -> None:
-    want = _leaf_shapes(like)
+def _nest(nodes) -> Any:
+    """Nested dicts/lists from (path, value) pairs, checking that the paths form one tree."""
+    root = _EMPTY
+    for path, value in nodes:
+        root = _insert(root, path, value, _path_str(path))
+    return root
+
+
+def _shape_like(nodes, like) -> Any:
+    """The payload's leaves arranged in ``like``'s tree structure (ValueError naming leaves that differ)."""
+    leaves = {_path_str(path): value for path, value in nodes if not isinstance(value, (dict, list))}
+    shapes = {where: tuple(v.shape) for where, v in leaves.items()}
+    flat, treedef = jax.tree_util.tree_flatten_with_path(like, is_leaf=is_quantized_leaf)
+    wanted = [_path_str([_key_str(k) for k in kp]) for kp, _ in flat]
+    _check_like(shapes, {where: tuple(int(d) for d in np.shape(leaf.values if is_quantized_leaf(leaf) else leaf))
+                         for where, (_, leaf) in zip(wanted, flat)})
+    return jax.tree_util.tree_unflatten(treedef, [leaves[where] for where in wanted])
+
+
+def _check_like(shapes: dict, want: dict) -> None:
     problems = []
     for path, shape in shapes.items():
         if path not in want:
