@@ -7,6 +7,10 @@ Restores the learner state from RUN_DIR's newest checkpoint, quantizes the
 policy's parameters after training at each bit-width and granularity, and runs
 greedy episodes with each. Every setting plays the same episodes (the same
 environment seed), so differences between rows come from the weights alone.
+The weights are made runnable by the loader actors use
+(``launch.precision.make_param_loader``), so ``--backend int8`` runs what an
+int8 actor of the run runs (its ``int8_mode``: by default the W8A8 kernel,
+W4A8 at <= 4 bits; column ``kernel_mode``).
 Writes RUN_DIR/ptq.csv (one row per bits and granularity: mean, std, min and
 max return) and a PNG of return against bits beside it.
 """
@@ -18,10 +22,10 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from actorq_jax.launch.config import GRANULARITIES, VALID_BITS
+from actorq_jax.quantization.config import GRANULARITIES, VALID_BITS
 
 BACKENDS = ("fakequant", "int8")
-COLUMNS = ("bits", "granularity", "backend", "episodes", "mean_return", "std_return", "min_return", "max_return",
+COLUMNS = ("bits", "granularity", "backend", "kernel_mode", "episodes", "mean_return", "std_return", "min_return", "max_return",
            "quantized_fraction", "weight_rel_error", "checkpoint_step")
 
 
@@ -92,6 +96,17 @@ def weight_stats(params: Any, qparams: Any, runnable_float: Any) -> Dict[str, fl
             "weight_rel_error": (diff / norm) ** 0.5 if norm > 0 else 0.0}
 
 
+def actor_precision(bits: int, granularity: str, backend: str, int8_mode: str = "w8a8") -> Any:
+    """The precision of an actor that receives and runs `bits`-bit weights (fp32 at 32 bits, fakequant at 16)."""
+    from actorq_jax.launch.precision import ActorPrecision
+
+    if bits == 32:
+        backend = "fp32"
+    elif bits > 8:
+        backend = "fakequant"  # the int8 kernel runs integer weights only
+    return ActorPrecision(actor_bits=bits, comm_bits=bits, granularity=granularity, backend=backend, int8_mode=int8_mode)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Runs the sweep, writes the CSV and the plot, prints the table."""
     args = parse(argv)
@@ -108,6 +123,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from actorq_jax.launch.checkpoint import Checkpointer
     from actorq_jax.launch.config import config_from_json
     from actorq_jax.launch.evaluator import run_episode
+    from actorq_jax.launch.precision import make_param_loader
     from actorq_jax.quantization import QuantConfig, dequantize, quantize
 
     run, agent_config = config_from_json((run_dir / "config.json").read_text())
@@ -128,27 +144,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for bits in sorted(args.bits):
             kwargs = {} if args.min_size is None else {"min_size": args.min_size}
             qparams = quantize(params, QuantConfig(bits=bits, granularity=granularity, **kwargs))
-            as_float = dequantize(qparams)
-            backend = args.backend if bits <= 8 else "fakequant"
-            if backend == "int8":
-                from actorq_jax import kernels
-
-                runnable = kernels.pack_params(qparams)
-            else:
-                runnable = as_float
+            precision = actor_precision(bits, granularity, args.backend, run.int8_mode)
+            # Sent and run at the same bits, the loader runs these weights as they are (no requantization).
+            runnable = make_param_loader(precision)(qparams)
             # A fresh environment with the same seed: every setting plays the same episode starts.
             env = make_environment(run.task, seed=env_seed)
             returns = np.array([run_episode(env, greedy, runnable) for _ in range(args.episodes)])
             rows.append({
                 "bits": bits,
                 "granularity": granularity,
-                "backend": "fp32" if bits == 32 else backend,
+                "backend": precision.backend,
+                "kernel_mode": precision.kernel_mode() if precision.backend == "int8" else "",
                 "episodes": args.episodes,
                 "mean_return": float(returns.mean()),
                 "std_return": float(returns.std(ddof=1)) if len(returns) > 1 else 0.0,
                 "min_return": float(returns.min()),
                 "max_return": float(returns.max()),
-                **weight_stats(params, qparams, as_float),
+                **weight_stats(params, qparams, dequantize(qparams)),
                 "checkpoint_step": step,
             })
             print(f"[ptq] {granularity:11s} q={bits:<2d} return {returns.mean():9.2f} +- {rows[-1]['std_return']:.2f}",

@@ -406,6 +406,37 @@ def test_ptq_sweep_writes_one_row_per_bits(tiny_sweep, tmp_path):
     assert out.with_suffix(".png").read_bytes()[:8] == PNG_MAGIC
 
 
+@pytest.mark.timeout(300)
+def test_ptq_sweep_int8_runs_the_packing_int8_actors_run(tmp_path):
+    # A run directory holding an untrained D4PG learner's checkpoint: enough for the sweep to restore and play.
+    import jax
+
+    from actorq_jax.agents.d4pg.config import D4PGConfig
+    from actorq_jax.environments import environment_spec, make_environment
+    from actorq_jax.launch import runtime
+    from actorq_jax.launch.checkpoint import Checkpointer
+    from actorq_jax.launch.config import RunConfig, save_config
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    run = RunConfig(agent="d4pg", task="cartpole_balance", results_dir=str(run_dir))
+    agent_config = D4PGConfig(policy_layers=(32, 32), critic_layers=(32, 32))
+    save_config(run_dir / "config.json", run, agent_config)
+    spec = environment_spec(make_environment(run.task, seed=0))
+    builder = runtime.make_builder(run.agent, agent_config, spec)
+    checkpointer = Checkpointer(run_dir / "checkpoints")
+    checkpointer.save(0, builder.init_state(jax.random.PRNGKey(0)), {})
+    checkpointer.close()
+    out = tmp_path / "ptq.csv"
+    result = _run(["experiments/ptq_sweep.py", "--checkpoint", str(run_dir), "--bits", "4,8,16,32", "--episodes", "1",
+                   "--backend", "int8", "--out", str(out)], timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    ptq = pd.read_csv(out, keep_default_na=False).set_index("bits")
+    # As the actors' loader packs them (int8_mode w8a8): two 4-bit weights per byte, 8-bit activations throughout.
+    assert ptq["backend"].to_dict() == {4: "int8", 8: "int8", 16: "fakequant", 32: "fp32"}
+    assert ptq["kernel_mode"].to_dict() == {4: "w4a8", 8: "w8a8", 16: "", 32: ""}
+
+
 @pytest.mark.timeout(120)
 def test_ptq_sweep_bad_flags_exit_2(tmp_path):
     result = _run(["experiments/ptq_sweep.py", "--checkpoint", str(tmp_path), "--bits", "32"], 60)
