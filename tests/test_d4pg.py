@@ -113,8 +113,45 @@ def test_behaviour_actions_inside_spec_and_reproducible():
     assert len(np.unique(actions[:, 0])) > 2  # noise is applied
     again = np.stack([np.asarray(policy(params, jax.random.PRNGKey(i), obs)) for i in range(50)])
     np.testing.assert_array_equal(actions, again)
+
+
+def _policy_by_hand(params, obs, low, high, layer_norm):
+    """The D4PG policy in numpy: MLP torso (first layer LayerNorm + tanh when layer_norm), tanh head, scaled to bounds."""
+    torso, head = params["params"]["torso"], params["params"]["head"]
+    x = obs.astype(np.float64)
+    for i in range(len(torso) - (1 if layer_norm else 0)):
+        dense = torso[f"Dense_{i}"]
+        x = x @ np.asarray(dense["kernel"], np.float64) + np.asarray(dense["bias"], np.float64)
+        if i == 0 and layer_norm:
+            norm = torso["LayerNorm_0"]
+            x = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-6)  # flax's default epsilon
+            x = np.tanh(x * np.asarray(norm["scale"]) + np.asarray(norm["bias"]))
+        else:
+            x = np.where(x > 0, x, np.expm1(np.minimum(x, 0))) if layer_norm else np.maximum(x, 0)  # elu / relu
+    x = np.tanh(x @ np.asarray(head["kernel"], np.float64) + np.asarray(head["bias"], np.float64))
+    return low + (x + 1.0) * 0.5 * (high - low)
+
+
+@pytest.mark.parametrize("layer_norm", [False, True])
+def test_greedy_policy_is_the_policy_network_without_noise(layer_norm):
+    low, high = np.array([-0.25, -2.0], np.float32), np.array([0.5, 1.0], np.float32)
+    spec = dataclasses.replace(_spec(), action_minimum=low, action_maximum=high)
+    builder = D4PGBuilder(_tiny_config(policy_layer_norm=layer_norm, sigma=0.0), spec)
+    params = builder.actor_params(builder.init_state(jax.random.PRNGKey(0)))
+    # Random weights of unit scale: the initial head is near zero and would put every action at the centre.
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    keys = jax.random.split(jax.random.PRNGKey(1), len(leaves))
+    params = jax.tree_util.tree_unflatten(treedef, [0.5 * jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)])
+    observations = np.random.default_rng(2).normal(size=(32, OBS_DIM)).astype(np.float32)
+    expected = _policy_by_hand(params, observations, low, high, layer_norm)
     greedy = builder.greedy_policy()
-    np.testing.assert_array_equal(np.asarray(greedy(params, obs)), np.asarray(greedy(params, obs)))
+    actions = np.stack([np.asarray(greedy(params, o)) for o in observations])
+    assert actions.shape == (32, ACT_DIM) and len(np.unique(actions[:, 0])) == 32
+    np.testing.assert_allclose(actions, expected, atol=1e-5, rtol=0)
+    # With sigma 0 the behaviour policy adds no noise: it is the greedy policy.
+    behaviour = builder.behaviour_policy(actor_id=0, num_actors=1)
+    noiseless = np.stack([np.asarray(behaviour(params, jax.random.PRNGKey(i), o)) for i, o in enumerate(observations)])
+    np.testing.assert_allclose(noiseless, actions, atol=1e-6, rtol=0)
 
 
 def test_per_actor_sigma_spread_and_config_validation():

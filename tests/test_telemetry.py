@@ -27,31 +27,49 @@ def _busy(seconds):
         pass
 
 
+class _FakeClock:
+    """A clock that moves only when told to (seconds as exact binary fractions)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
 def test_phase_timer_accumulates_per_phase():
-    timer = PhaseTimer()
+    clock = _FakeClock()
+    timer = PhaseTimer(clock=clock)
     for _ in range(3):
         with timer.phase("env_step"):
-            _busy(0.002)
+            clock.now += 0.25
+    clock.now += 8.0  # time outside any phase is not counted
     with timer.phase("policy"):
+        clock.now += 0.5
         with timer.phase("inner"):  # different names nest
-            _busy(0.001)
-    totals, counts = timer.totals(), timer.counts()
-    assert counts == {"env_step": 3, "policy": 1, "inner": 1}
-    assert 0.006 <= totals["env_step"] < 0.5
-    assert totals["policy"] >= totals["inner"] >= 0.001
+            clock.now += 0.125
+    assert timer.counts() == {"env_step": 3, "policy": 1, "inner": 1}
+    assert timer.totals() == {"env_step": 0.75, "policy": 0.625, "inner": 0.125}
+
+
+def test_phase_timer_uses_perf_counter_by_default():
+    timer = PhaseTimer()
+    with timer.phase("busy"):
+        _busy(0.002)
+    assert timer.totals()["busy"] >= 0.002  # a lower bound only: a loaded machine only adds time
 
 
 def test_phase_timer_add_from_another_thread_and_reset():
-    timer = PhaseTimer()
+    clock = _FakeClock()
+    timer = PhaseTimer(clock=clock)
     with timer.phase("pull"):
-        pass
+        clock.now += 0.5
     worker = threading.Thread(target=lambda: [timer.add("pull", 0.25) for _ in range(4)])
     worker.start()
     worker.join()
     timer.add("deserialize", 0.5)
     assert timer.counts() == {"pull": 5, "deserialize": 1}
-    assert 1.0 <= timer.totals()["pull"] < 1.1
-    assert timer.totals()["deserialize"] == 0.5
+    assert timer.totals() == {"pull": 1.5, "deserialize": 0.5}
     timer.reset()
     assert timer.totals() == {} and timer.counts() == {}
     with timer.phase("pull"):
@@ -75,19 +93,14 @@ def test_phase_timer_counts_block_that_raises_and_rejects_self_nesting():
         timer.phase("")
 
 
-def test_phase_timer_overhead_is_small():
+def test_phase_timer_reuses_one_context_per_name():
+    # Nothing is allocated per timed block: the same object serves every `with` of a name.
     timer = PhaseTimer()
-    phase = timer.phase
-    n = 20000
-    best = math.inf
-    for _ in range(3):  # best of three: the machine is shared
-        start = time.perf_counter()
-        for _ in range(n):
-            with phase("x"):
-                pass
-        best = min(best, (time.perf_counter() - start) / n)
-    assert best < 5e-6  # typically ~0.4 us; generous for a loaded CI machine
-    assert timer.counts()["x"] == 3 * n
+    assert timer.phase("x") is timer.phase("x") and timer.phase("x") is not timer.phase("y")
+    for _ in range(1000):
+        with timer.phase("x"):
+            pass
+    assert timer.counts() == {"x": 1000}
 
 
 # ----------------------------------------------------------------- CsvLogger
@@ -141,13 +154,13 @@ def test_csv_logger_drops_partial_row_left_by_a_kill(tmp_path):
     assert read_csv(path) == [{"step": 1, "loss": 2.0}, {"step": 3, "loss": 4.0}]
 
 
+@pytest.mark.timeout(30)  # bounds a flusher that never runs; the test asserts no speed
 def test_csv_logger_flushes_on_timer_without_close(tmp_path):
     path = tmp_path / "eval.csv"
     log = CsvLogger(path, ["step"], flush_every_s=0.05)
     try:
         log.write({"step": 1})
-        deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline and len(path.read_text().splitlines()) < 2:
+        while len(path.read_text().splitlines()) < 2:
             time.sleep(0.02)
         # Visible to another reader while the logger is still open.
         assert read_csv(path) == [{"step": 1}]
@@ -174,14 +187,6 @@ def test_csv_logger_rejects_bad_fieldnames(tmp_path):
 
 
 # ----------------------------------------------------------------- ProgressLine
-
-
-class _FakeClock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
 
 
 def test_progress_line_throttles_on_non_tty():

@@ -4,21 +4,20 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Dict
-
-_perf_counter = time.perf_counter
+from typing import Callable, Dict
 
 
 class _Phase:
     """Accumulator and reusable context manager for one phase name."""
 
-    __slots__ = ("name", "total", "count", "_start")
+    __slots__ = ("name", "total", "count", "_start", "_clock")
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, clock: Callable[[], float]):
         self.name = name
         self.total = 0.0
         self.count = 0
         self._start = None
+        self._clock = clock
 
     def __enter__(self) -> "_Phase":
         if self._start is not None:
@@ -28,11 +27,11 @@ class _Phase:
                 f"phase {self.name!r} is already running (phases do not nest within "
                 "themselves; from other threads use PhaseTimer.add)"
             )
-        self._start = _perf_counter()
+        self._start = self._clock()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        self.total += _perf_counter() - self._start
+        self.total += self._clock() - self._start
         self.count += 1
         self._start = None
         return False
@@ -47,10 +46,12 @@ class PhaseTimer:
     thread that owns the timer and does not nest within itself (that raises
     RuntimeError); different phase names nest freely. Durations measured
     elsewhere, e.g. in a background thread, go through `add`, which is
-    thread-safe. Totals include an exception-exited block's time.
+    thread-safe. Totals include an exception-exited block's time. `clock`
+    (seconds, default time.perf_counter) is injectable for tests.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._clock = clock
         self._phases: Dict[str, _Phase] = {}
         self._added_totals: Dict[str, float] = {}
         self._added_counts: Dict[str, int] = {}
@@ -63,7 +64,7 @@ class PhaseTimer:
         except KeyError:
             if not isinstance(name, str) or not name:
                 raise ValueError(f"phase name must be a non-empty string, got {name!r}") from None
-            return self._phases.setdefault(name, _Phase(name))
+            return self._phases.setdefault(name, _Phase(name, self._clock))
 
     def add(self, name: str, seconds: float, count: int = 1) -> None:
         """Adds a duration measured elsewhere to phase `name` (thread-safe)."""
