@@ -25,12 +25,12 @@ import tempfile
 import threading
 from pathlib import Path
 
-import numpy as np
+from actorq_jax.telemetry.schema import ACTOR_PHASES
 
 ROOT = Path(__file__).resolve().parents[1]
 TASK = "walker_walk"
 LAYERS = (2048, 2048, 2048)
-PHASES = ("env_step", "inference", "adder", "pull", "deserialize", "load")
+PHASES = ACTOR_PHASES
 
 
 def _serve(backend: str, bits: int, publish_every: float, stop: threading.Event, results_dir: str):
@@ -43,7 +43,7 @@ def _serve(backend: str, bits: int, publish_every: float, stop: threading.Event,
     from actorq_jax.launch import runtime
     from actorq_jax.launch.config import RunConfig
     from actorq_jax.quantization import QuantConfig
-    from actorq_jax.replay import ReplayServer, ReplayTableConfig, VariablePublisher, make_replay_table, make_variables_table
+    from actorq_jax.replay import ReplayServer, ReplayTableConfig, VariablePublisher
 
     agent = D4PGConfig(policy_layers=LAYERS)
     run = RunConfig(agent="d4pg", task=TASK, results_dir=results_dir, actor_bits=bits, actor_backend=backend,
@@ -52,14 +52,9 @@ def _serve(backend: str, bits: int, publish_every: float, stop: threading.Event,
     builder = D4PGBuilder(agent, spec)
     # No learner samples here, so the replay table must not rate-limit the actor.
     replay = ReplayTableConfig(name="replay", max_size=100_000, min_size=1, samples_per_insert=None)
-    server = ReplayServer([
-        make_replay_table(replay, np.zeros(spec.observation_dim, np.float32), builder.example_action()),
-        make_variables_table(runtime.VARIABLES_TABLE),
-        make_variables_table(runtime.CONFIG_TABLE),
-    ])
+    server = ReplayServer(runtime.learner_tables(builder, replay))
     client = server.client()
-    config_json = json.dumps({"run": dataclasses.asdict(run), "agent": dataclasses.asdict(agent)})
-    client.insert([np.frombuffer(config_json.encode(), np.uint8)], {runtime.CONFIG_TABLE: 1.0})
+    runtime.publish_config(client, json.dumps({"run": dataclasses.asdict(run), "agent": dataclasses.asdict(agent)}))
     publisher = VariablePublisher(client, runtime.VARIABLES_TABLE, QuantConfig(bits=bits))
     params = jax.device_get(builder.params_template())
 

@@ -7,13 +7,12 @@ Prints the results directory; see --help for every flag.
 
 import sys
 
-from actorq_jax.agents.dqn.config import DQNConfig
 from actorq_jax.launch.launcher import run_experiment
 
 
 def main(argv=None) -> int:
     """Parses flags, launches the run, prints where its results are."""
-    return run_experiment("dqn", DQNConfig, argv, description=__doc__.splitlines()[0])
+    return run_experiment("dqn", argv, description=__doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@
 Each run goes to SWEEP_DIR/<agent>_<task>_q<bits>_s<seed>/ (its console output
 to SWEEP_DIR/logs/); SWEEP_DIR/sweep.json indexes the runs and is rewritten
 after each one. Every flag besides the sweep's own is passed unchanged to
-experiments/run_<agent>.py. A failing run is recorded and the sweep goes on;
+`experiments/run.py --agent <agent>`. A failing run is recorded and the sweep goes on;
 Ctrl-C or SIGTERM stops the current run cleanly and ends the sweep.
 Then: python experiments/plot.py SWEEP_DIR
 """
@@ -16,20 +16,19 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import shlex
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from actorq_jax.launch.config import VALID_BITS, agent_config_class
-from actorq_jax.launch.flags import build_parser as build_run_parser
+from actorq_jax.agents.registry import agent_names, get_agent
 from actorq_jax.launch.flags import parse_run
 from actorq_jax.launch.runtime import die_with_parent
+from actorq_jax.quantization.config import VALID_BITS
+from actorq_jax.telemetry import write_json
 
 EXPERIMENTS = Path(__file__).resolve().parent
 # Flags the sweep sets itself for every run; passing them through would be ambiguous.
@@ -59,17 +58,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
         epilog="Any other flag (e.g. --task, --max_seconds, --num_actors, --policy_layers) goes to "
-               "experiments/run_<agent>.py unchanged; see its --help.",
+               "experiments/run.py --agent <agent> unchanged; see its --help.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         allow_abbrev=False,  # otherwise a pass-through --seed would be read as the sweep's --seeds
     )
-    parser.add_argument("--agent", required=True, choices=("d4pg", "dqn"), help="which run script to sweep")
+    parser.add_argument("--agent", required=True, choices=agent_names(), help="which registered agent to sweep")
     parser.add_argument("--bits", default="32,16,8", help=f"comma list of actor bit-widths from {VALID_BITS}")
     parser.add_argument("--seeds", default="0", help="comma list of seeds (non-negative integers)")
     parser.add_argument("--results_dir", required=True, help="sweep directory (runs, logs and sweep.json)")
     parser.add_argument("--run_script", default=None,
-                        help="script each run executes (default: experiments/run_<agent>.py); it gets the pass-through "
-                             "flags plus --actor_bits, --seed and --results_dir")
+                        help="script each run executes (default: experiments/run.py --agent <agent>); it gets the "
+                             "pass-through flags plus --actor_bits, --seed and --results_dir")
     parser.add_argument("--skip_existing", action="store_true",
                         help="keep runs whose directory already has a summary.json instead of failing on them")
     return parser
@@ -106,19 +105,9 @@ def parse(argv: Optional[Sequence[str]]) -> tuple:
 
 def check_runs(agent: str, passthrough: Sequence[str], planned: Sequence[tuple]) -> None:
     """Parses every planned run's flags as its run script will, so a bad flag exits 2 before any run starts."""
-    config_class = agent_config_class(agent)
     for bits, seed, run_dir in planned:
-        parse_run(agent, config_class,
-                  [*passthrough, "--actor_bits", str(bits), "--seed", str(seed), "--results_dir", str(run_dir)],
-                  description=f"experiments/run_{agent}.py (checked by sweep.py)")
-
-
-def _write_index(path: Path, index: Dict[str, Any]) -> None:
-    # Atomic replace: a reader (or a killed sweep) never sees half a file.
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
-        json.dump(index, f, indent=2)
-        tmp = f.name
-    os.replace(tmp, path)
+        parse_run(agent, [*passthrough, "--actor_bits", str(bits), "--seed", str(seed), "--results_dir", str(run_dir)],
+                  description=f"experiments/run.py --agent {agent} (checked by sweep.py)")
 
 
 def _now() -> str:
@@ -144,91 +133,92 @@ class _Stopper:
             signal.signal(sig, handler)
 
 
-def run_sweep(argv: Optional[Sequence[str]] = None) -> int:
-    """Runs the sweep; returns 0 when every run exited 0, 1 otherwise (2 for bad flags, via argparse)."""
-    args, bits_list, seeds, passthrough = parse(argv)
-    script = Path(args.run_script) if args.run_script else EXPERIMENTS / f"run_{args.agent}.py"
-    if not script.is_file():
-        flag = "--run_script" if args.run_script else "--agent"
-        print(f"sweep: {flag}: {script} does not exist", file=sys.stderr)
-        return 2
-    default_task = build_run_parser(args.agent, agent_config_class(args.agent), "").get_default("task")
-    task = _flag_value(passthrough, "--task") or default_task
-    sweep_dir = Path(args.results_dir).absolute()
-    index_path = sweep_dir / INDEX
+def _plan(args: argparse.Namespace, bits_list: List[int], seeds: List[int], passthrough: List[str],
+          argv: Optional[Sequence[str]]) -> Dict[str, Any]:
+    """The sweep index before any run: one pending entry per (seed, bits)."""
+    task = _flag_value(passthrough, "--task") or get_agent(args.agent).default_task
     command = shlex.join([sys.executable, *sys.argv] if argv is None else ["experiments/sweep.py", *argv])
     index: Dict[str, Any] = {
-        "command": command,
-        "agent": args.agent,
-        "task": task,
-        "bits": bits_list,
-        "seeds": seeds,
-        "passthrough": list(passthrough),
-        "started": _now(),
-        "finished": None,
-        "runs": [],
+        "command": command, "agent": args.agent, "task": task, "bits": bits_list, "seeds": seeds,
+        "passthrough": list(passthrough), "started": _now(), "finished": None, "runs": [],
     }
     # Seed-major order: every bit-width of a seed runs close in time, so a change in machine load
     # over the sweep affects all bit-widths alike.
-    plan = [(seed, bits) for seed in seeds for bits in bits_list]
-    for seed, bits in plan:
-        name = f"{args.agent}_{task}_q{bits}_s{seed}"
-        index["runs"].append({"name": name, "dir": name, "bits": bits, "seed": seed, "status": "pending",
-                              "exit_code": None, "wall_seconds": None,
-                              "log": str(Path("logs") / f"{name}.log")})
-    check_runs(args.agent, passthrough, [
-        (e["bits"], e["seed"], sweep_dir / e["dir"]) for e in index["runs"]
-        if not (args.skip_existing and (sweep_dir / e["dir"] / "summary.json").is_file())
-    ])
+    for seed in seeds:
+        for bits in bits_list:
+            name = f"{args.agent}_{task}_q{bits}_s{seed}"
+            index["runs"].append({"name": name, "dir": name, "bits": bits, "seed": seed, "status": "pending",
+                                  "exit_code": None, "wall_seconds": None, "log": str(Path("logs") / f"{name}.log")})
+    return index
+
+
+def _run_one(entry: Dict[str, Any], script_cmd: List[str], passthrough: List[str], sweep_dir: Path,
+             stopper: _Stopper, index_path: Path, index: Dict[str, Any], label: str) -> int:
+    """Runs one planned run to its end, recording it in the index; returns its exit code."""
+    run_dir = sweep_dir / entry["dir"]
+    cmd = [*script_cmd, *passthrough, "--actor_bits", str(entry["bits"]), "--seed", str(entry["seed"]),
+           "--results_dir", str(run_dir)]
+    entry.update(command=shlex.join(cmd), status="running", started=_now())
+    write_json(index_path, index)
+    print(f"[sweep] {label} {entry['name']}: running (log: {sweep_dir / entry['log']})", flush=True)
+    start = time.monotonic()
+    with open(sweep_dir / entry["log"], "ab") as log:
+        # Same process group: a Ctrl-C at the terminal reaches the run's processes as the launcher
+        # expects; die_with_parent ends the run if the sweep itself is killed.
+        stopper.child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+        code = stopper.child.wait()
+        stopper.child = None
+    entry.update(exit_code=code, wall_seconds=round(time.monotonic() - start, 3), status="ok" if code == 0 else "failed")
+    print(f"[sweep] {label} {entry['name']}: exit code {code} after {entry['wall_seconds']:.0f} s", flush=True)
+    write_json(index_path, index)
+    return code
+
+
+def _keep_existing(entry: Dict[str, Any], run_dir: Path) -> None:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    entry.update(status="existing", exit_code=summary.get("exit_code"), wall_seconds=summary.get("wall_seconds"))
+
+
+def run_sweep(argv: Optional[Sequence[str]] = None) -> int:
+    """Runs the sweep; returns 0 when every run exited 0, 1 otherwise (2 for bad flags, via argparse)."""
+    args, bits_list, seeds, passthrough = parse(argv)
+    if args.run_script:
+        script_cmd = [sys.executable, args.run_script]
+        if not Path(args.run_script).is_file():
+            print(f"sweep: --run_script: {args.run_script} does not exist", file=sys.stderr)
+            return 2
+    else:
+        script_cmd = [sys.executable, str(EXPERIMENTS / "run.py"), "--agent", args.agent]
+    sweep_dir = Path(args.results_dir).absolute()
+    index_path = sweep_dir / INDEX
+    index = _plan(args, bits_list, seeds, passthrough, argv)
+    existing = {e["name"] for e in index["runs"] if args.skip_existing and (sweep_dir / e["dir"] / "summary.json").is_file()}
+    check_runs(args.agent, passthrough,
+               [(e["bits"], e["seed"], sweep_dir / e["dir"]) for e in index["runs"] if e["name"] not in existing])
     (sweep_dir / "logs").mkdir(parents=True, exist_ok=True)
-    _write_index(index_path, index)
+    write_json(index_path, index)
     stopper = _Stopper()
     failures = 0
+    total = len(index["runs"])
     try:
         for i, entry in enumerate(index["runs"]):
+            label = f"{i + 1}/{total}"
             if stopper.requested:
                 entry["status"] = "not run (sweep stopped)"
-                continue
-            run_dir = sweep_dir / entry["dir"]
-            if args.skip_existing and (run_dir / "summary.json").is_file():
-                summary = json.loads((run_dir / "summary.json").read_text())
-                entry.update(status="existing", exit_code=summary.get("exit_code"),
-                             wall_seconds=summary.get("wall_seconds"))
-                print(f"[sweep] {i + 1}/{len(plan)} {entry['name']}: kept the existing run", flush=True)
-                _write_index(index_path, index)
-                continue
-            cmd = [sys.executable, str(script), *passthrough, "--actor_bits", str(entry["bits"]),
-                   "--seed", str(entry["seed"]), "--results_dir", str(run_dir)]
-            entry["command"] = shlex.join(cmd)
-            entry["status"] = "running"
-            entry["started"] = _now()
-            _write_index(index_path, index)
-            print(f"[sweep] {i + 1}/{len(plan)} {entry['name']}: running (log: {sweep_dir / entry['log']})", flush=True)
-            start = time.monotonic()
-            with open(sweep_dir / entry["log"], "ab") as log:
-                # Same process group: a Ctrl-C at the terminal reaches the run's processes as the launcher
-                # expects; die_with_parent ends the run if the sweep itself is killed.
-                stopper.child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                                 preexec_fn=die_with_parent)
-                code = stopper.child.wait()
-                stopper.child = None
-            entry["exit_code"] = code
-            entry["wall_seconds"] = round(time.monotonic() - start, 3)
-            entry["status"] = "ok" if code == 0 else "failed"
-            if code != 0:
+            elif entry["name"] in existing:
+                _keep_existing(entry, sweep_dir / entry["dir"])
+                print(f"[sweep] {label} {entry['name']}: kept the existing run", flush=True)
+                write_json(index_path, index)
+            elif _run_one(entry, script_cmd, passthrough, sweep_dir, stopper, index_path, index, label) != 0:
                 failures += 1
-            print(f"[sweep] {i + 1}/{len(plan)} {entry['name']}: exit code {code} after {entry['wall_seconds']:.0f} s",
-                  flush=True)
-            _write_index(index_path, index)
     finally:
         stopper.restore()
         if stopper.child is not None and stopper.child.poll() is None:
             stopper.child.send_signal(signal.SIGTERM)
             stopper.child.wait()
-        index["finished"] = _now()
-        index["stopped"] = stopper.requested
-        _write_index(index_path, index)
-    print(f"[sweep] {len(plan) - failures}/{len(plan)} runs ok; index: {index_path}", flush=True)
+        index.update(finished=_now(), stopped=stopper.requested)
+        write_json(index_path, index)
+    print(f"[sweep] {total - failures}/{total} runs ok; index: {index_path}", flush=True)
     print(f"[sweep] plots: {sys.executable} experiments/plot.py {sweep_dir}", flush=True)
     return 1 if failures or stopper.requested else 0
 

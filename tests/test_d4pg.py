@@ -12,7 +12,7 @@ from actorq_jax.agents.d4pg import learning
 from actorq_jax.agents.d4pg.builder import D4PGBuilder
 from actorq_jax.agents.d4pg.config import D4PGConfig
 from actorq_jax.environments import EnvironmentSpec
-from actorq_jax.replay import Transition
+from actorq_jax.replay import ReplayBatch, Transition
 
 OBS_DIM, ACT_DIM = 4, 2
 
@@ -38,6 +38,13 @@ def _batch(size: int = 8, seed: int = 0) -> Transition:
         discount=np.full((size,), 0.9, np.float32),
         next_observation=rng.normal(size=(size, OBS_DIM)).astype(np.float32),
     )
+
+
+def _sampled(data: Transition) -> ReplayBatch:
+    """The transitions as the learner's dataset serves them (uniform sampling info)."""
+    size = data.reward.shape[0]
+    return ReplayBatch(data=data, keys=np.arange(size, dtype=np.uint64), probabilities=np.full(size, 1.0 / size),
+                       table_size=np.full(size, size, np.int64))
 
 
 def _constant_critic(params, bias):
@@ -74,9 +81,9 @@ def test_sgd_step_lowers_the_loss_on_a_fixed_batch():
     state = builder.init_state(jax.random.PRNGKey(0))
     # Discount 0: the target is the reward alone, so the loss can fall to at most ln 2 (two atoms).
     batch = _batch()._replace(discount=np.zeros(8, np.float32))
-    _, first = builder.sgd_step(state, batch)
+    _, first = builder.sgd_step(state, _sampled(batch))
     for _ in range(200):
-        state, metrics = builder.sgd_step(state, batch)
+        state, metrics = builder.sgd_step(state, _sampled(batch))
     assert float(first["critic_loss"]) > 2.0
     assert float(metrics["critic_loss"]) < 0.5 * float(first["critic_loss"])
     assert np.isfinite(float(metrics["policy_loss"]))
@@ -91,7 +98,7 @@ def test_target_parameters_change_exactly_every_target_period():
     changed_at = []
     for step in range(1, 10):
         before = leaf(state.target_critic_params), leaf(state.target_policy_params)
-        state, _ = builder.sgd_step(state, batch)
+        state, _ = builder.sgd_step(state, _sampled(batch))
         after = leaf(state.target_critic_params), leaf(state.target_policy_params)
         if not np.array_equal(before[0], after[0]):
             assert not np.array_equal(before[1], after[1])  # both targets move together

@@ -109,9 +109,9 @@ def test_double_q_td_errors_and_loss_match_hand_computation():
 
     # The jitted step computes the same loss from the sampling info and reports |td| as priorities.
     config = _tiny_config(importance_sampling_exponent=0.5, target_update_period=100)
-    state = learning.TrainingState(online, target, learning.make_optimizer(config).init(online), jnp.zeros((), jnp.int32))
+    state = learning.TrainingState(online, target, learning.make_optimizers(config).q.init(online), jnp.zeros((), jnp.int32))
     batch = ReplayBatch(data, np.arange(3, dtype=np.uint64), probabilities, np.full(3, 4, np.int64))
-    _, metrics = learning.make_sgd_step(config, network)(state, batch)
+    _, metrics = learning.make_sgd_step(config, learning.DQNNetworks(q=network))(state, batch)
     np.testing.assert_allclose(metrics["loss"], np.mean(weights * huber), rtol=1e-6)
     np.testing.assert_allclose(metrics["priorities"], np.abs(expected_td), rtol=1e-6, atol=1e-6)
 
@@ -156,14 +156,14 @@ def test_epsilon_zero_is_greedy():
     builder = DQNBuilder(_tiny_config(), _spec())
     params = builder.init_state(jax.random.PRNGKey(2)).params
     greedy = builder.greedy_policy()
-    behaviour = acting.make_behaviour_policy(builder.network, epsilon=0.0)
+    behaviour = acting.make_behaviour_policy(builder.networks, epsilon=0.0)
     keys = jax.random.split(jax.random.PRNGKey(3), 200)
     observations = _observations(200)
     expected = np.array([int(greedy(params, o)) for o in observations])
     actions = jax.vmap(behaviour, in_axes=(None, 0, 0))(params, keys, observations)
     np.testing.assert_array_equal(actions, expected)
     # The greedy action is the argmax of the network's Q-values, and the network is not constant.
-    q_values = builder.network.apply(params, observations)
+    q_values = builder.networks.q.apply(params, observations)
     np.testing.assert_array_equal(expected, np.argmax(q_values, axis=-1))
     assert len(set(expected.tolist())) > 1
 
@@ -174,7 +174,7 @@ def test_epsilon_one_is_uniform_and_epsilon_half_mixes():
     observation = _observations(1)[0]
     greedy_action = int(builder.greedy_policy()(params, observation))
     keys = jax.random.split(jax.random.PRNGKey(5), 6000)
-    uniform = acting.make_behaviour_policy(builder.network, epsilon=1.0)
+    uniform = acting.make_behaviour_policy(builder.networks, epsilon=1.0)
     actions = np.asarray(jax.vmap(uniform, in_axes=(None, 0, None))(params, keys, observation))
     assert actions.dtype == np.int32
     counts = np.bincount(actions, minlength=NUM_ACTIONS)
@@ -182,11 +182,11 @@ def test_epsilon_one_is_uniform_and_epsilon_half_mixes():
     chi_square = float(np.sum((counts - expected) ** 2 / expected))
     assert chi_square < 13.82, counts  # 99.9% quantile of chi-square with 2 degrees of freedom
     # epsilon 0.5: the greedy action has probability 0.5 + 0.5 / 3 = 2/3 (binomial sd ~ 0.006 here).
-    half = acting.make_behaviour_policy(builder.network, epsilon=0.5)
+    half = acting.make_behaviour_policy(builder.networks, epsilon=0.5)
     actions = np.asarray(jax.vmap(half, in_axes=(None, 0, None))(params, keys, observation))
     assert abs(np.mean(actions == greedy_action) - 2 / 3) < 0.03
     with pytest.raises(ValueError, match="epsilon"):
-        acting.make_behaviour_policy(builder.network, epsilon=1.5)
+        acting.make_behaviour_policy(builder.networks, epsilon=1.5)
 
 
 def test_same_seed_same_actions():

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from actorq_jax.launch.config import parse_layer_sizes
+from actorq_jax.config import parse_int_tuple as parse_layer_sizes
 from actorq_jax.networks import CriticNetwork, PolicyNetwork, QNetwork, categorical_mean, value_atoms
 from actorq_jax.quantization import QuantConfig, dequantize, quantize
 
@@ -77,6 +77,6 @@ def test_q_network_and_paper_sized_policy_shapes():
 
 @pytest.mark.parametrize("text", ["", "256,", "a,b", "0,3", "-1"])
 def test_malformed_layer_lists_are_rejected(text):
-    with pytest.raises(ValueError, match="malformed layer list"):
+    with pytest.raises(ValueError, match="malformed list"):
         parse_layer_sizes(text)
     assert parse_layer_sizes("256, 128") == (256, 128)

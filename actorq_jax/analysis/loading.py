@@ -16,10 +16,12 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
 
 import pandas as pd
 
+from actorq_jax.telemetry.schema import ACTOR_PHASES
+
 PathLike = Union[str, Path]
 
 # Phases an actor's time is split into, in the order bars are stacked.
-PHASES = ("env_step", "inference", "adder", "pull", "deserialize", "load")
+PHASES = ACTOR_PHASES
 SWEEP_INDEX = "sweep.json"
 
 # Columns every runs frame has, so empty or partial sweeps still slice and aggregate.

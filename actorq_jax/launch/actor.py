@@ -70,7 +70,8 @@ def run_actor(
     variables = VariableClient(
         address, runtime.VARIABLES_TABLE, update_period=run.update_period, like=like, load_fn=make_param_loader(precision)
     )
-    adder = NStepAdder(client, builder.replay_config().name, agent_config.n_step, agent_config.discount)
+    adder_config = builder.adder_config()
+    adder = NStepAdder(client, adder_config.table, adder_config.n_step, adder_config.discount)
     key = jax.random.PRNGKey(seed)
     timer = PhaseTimer()
     # One row per episode, flushed at once: a killed actor loses no finished episode.

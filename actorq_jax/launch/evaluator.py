@@ -7,8 +7,6 @@ from typing import Any, Callable, Optional, Tuple
 
 from actorq_jax.launch import runtime
 
-EVAL_FIELDS = ("wall_seconds", "env_steps", "learner_steps", "policy", "bits", "episode", "return", "final")
-
 
 def run_episode(env: Any, policy: Callable[[Any, Any], Any], params: Any) -> float:
     """Return of one greedy episode."""
@@ -22,13 +20,24 @@ def run_episode(env: Any, policy: Callable[[Any, Any], Any], params: Any) -> flo
     return total
 
 
+def actors_view(run: Any) -> Callable[[Any], Any]:
+    """`float payload -> what the actors run`: the payload they receive (comm_bits), through their own loader."""
+    from actorq_jax.launch.precision import ActorPrecision, make_param_loader
+    from actorq_jax.quantization import QuantConfig, dequantize, quantize
+
+    precision = ActorPrecision(run.actor_bits, run.wire_bits, run.granularity, run.actor_backend, run.int8_mode)
+    load = make_param_loader(precision)
+    wire = QuantConfig(bits=run.wire_bits, granularity=run.granularity)
+    # The learner's publisher quantizes the same float weights at the same config, and the wire is lossless.
+    return lambda float_payload: load(quantize(dequantize(float_payload), wire))
+
+
 def run_evaluator(run: Any, agent_config: Any, address: str, stop: threading.Event) -> None:
     """Evaluates every new float policy the learner publishes, and once more at shutdown."""
     from actorq_jax.environments import environment_spec, make_environment
-    from actorq_jax.launch.precision import ActorPrecision, make_param_loader
     from actorq_jax.quantization import QuantConfig, dequantize, quantize
     from actorq_jax.replay import VariableClient, wait_for_server
-    from actorq_jax.telemetry import CsvLogger
+    from actorq_jax.telemetry import EVAL_FIELDS, CsvLogger
 
     results_dir = Path(run.results_dir)
     env = make_environment(run.task, seed=runtime.derive_seed(run.seed, 10_000))
@@ -38,9 +47,7 @@ def run_evaluator(run: Any, agent_config: Any, address: str, stop: threading.Eve
     like = builder.params_template()
     policies = [("fp32", 32, dequantize)]
     if run.actor_bits != 32:
-        # The actors' policy: the float weights at actor_bits, run by the actors' backend.
-        load = make_param_loader(ActorPrecision(run.actor_bits, 32, run.granularity, run.actor_backend, run.int8_mode))
-        policies.append(("actor", run.actor_bits, load))
+        policies.append(("actor", run.actor_bits, actors_view(run)))
     wait_for_server(address, timeout_s=60.0)
     # Refreshed by hand (update_period is irrelevant): the evaluator polls for new versions.
     variables = VariableClient(address, runtime.EVAL_VARIABLES_TABLE, update_period=1, like=quantize(like, QuantConfig(bits=32)))

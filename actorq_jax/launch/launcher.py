@@ -295,11 +295,11 @@ def launch(run: RunConfig, agent_config: Any, stream: TextIO = sys.stderr) -> Di
     return Launcher(run, agent_config, stream).launch()
 
 
-def run_experiment(agent: str, agent_config_cls: type, argv: Optional[List[str]], description: str) -> int:
-    """Entry point of experiments/run_<agent>.py: parses flags, runs, prints the summary; returns the exit code."""
+def run_experiment(agent: str, argv: Optional[List[str]], description: Optional[str] = None) -> int:
+    """Entry point of the run scripts: parses flags, runs, prints the summary; returns the exit code."""
     from actorq_jax.launch.flags import parse_run
 
-    run, agent_config = parse_run(agent, agent_config_cls, argv, description=description)
+    run, agent_config = parse_run(agent, argv, description=description)
     summary = launch(run, agent_config)
     print(json.dumps({k: v for k, v in summary.items() if k != "events"}, indent=2))
     print(f"results: {run.results_dir}")

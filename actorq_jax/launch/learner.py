@@ -20,8 +20,6 @@ from actorq_jax.replay import (
     ReplayDataset,
     ReplayServer,
     VariablePublisher,
-    make_replay_table,
-    make_variables_table,
     update_priorities,
 )
 from actorq_jax.telemetry import CsvLogger, write_json
@@ -96,7 +94,7 @@ class Learner:
                 self.server.address,
                 self.replay_table,
                 self.builder.config.batch_size,
-                with_info=self.builder.prioritized,
+                with_info=True,  # the agent contract's sgd_step takes a ReplayBatch
                 rate_limiter_timeout_ms=SAMPLE_TIMEOUT_MS,
             )
         try:
@@ -106,8 +104,9 @@ class Learner:
             self._dataset = None
             return None
         self.state, metrics = self.builder.sgd_step(self.state, batch)
-        if self.builder.prioritized:
-            update_priorities(self.client, self.replay_table, batch.keys, np.asarray(metrics["priorities"]))
+        update = self.builder.priority_update(batch, metrics)
+        if update is not None:
+            update_priorities(self.client, self.replay_table, update.keys, update.priorities)
         return metrics
 
 
@@ -117,17 +116,10 @@ def run_learner(run: RunConfig, agent_config: Any, config_json: str, stop: threa
     env = make_environment(run.task, seed=run.seed)
     spec = environment_spec(env)
     builder = runtime.make_builder(run.agent, agent_config, spec)
-    obs_example = np.zeros((spec.observation_dim,), np.float32)
-    tables = [
-        make_replay_table(builder.replay_config(), obs_example, builder.example_action()),
-        make_variables_table(runtime.VARIABLES_TABLE),
-        make_variables_table(runtime.EVAL_VARIABLES_TABLE),
-        make_variables_table(runtime.CONFIG_TABLE),
-    ]
-    server = ReplayServer(tables, port=run.port or None, advertised_host=socket.getfqdn())
+    server = ReplayServer(runtime.learner_tables(builder), port=run.port or None, advertised_host=socket.getfqdn())
     learner = Learner(builder, run, server, results_dir)
     client = learner.client
-    client.insert([np.frombuffer(config_json.encode(), np.uint8)], {runtime.CONFIG_TABLE: 1.0})
+    runtime.publish_config(client, config_json)
     learner.publish(evaluation=True)
     start = time.monotonic()
     status_path = runtime.status_file(results_dir, "learner")

@@ -75,16 +75,32 @@ def read_status(results_dir: Path, role: str) -> Dict[str, Any]:
 
 
 def make_builder(agent: str, config: Any, spec: Any) -> Any:
-    """The agent's builder (D4PGBuilder or DQNBuilder) for a task's spec."""
-    if agent == "d4pg":
-        from actorq_jax.agents.d4pg.builder import D4PGBuilder
+    """The registered agent's builder (an actorq_jax.agents.builder.AgentBuilder) for a task's spec."""
+    from actorq_jax.agents.registry import get_agent
 
-        return D4PGBuilder(config, spec)
-    if agent == "dqn":
-        from actorq_jax.agents.dqn.builder import DQNBuilder
+    return get_agent(agent).make_builder(config, spec)
 
-        return DQNBuilder(config, spec)
-    raise ValueError(f"unknown agent {agent!r}; choose d4pg or dqn")
+
+def learner_tables(builder: Any, replay: Any = None) -> list:
+    """The tables of a learner's Reverb server: replay (the builder's, unless given), variables, eval variables, config."""
+    import numpy as np
+
+    from actorq_jax.replay import make_replay_table, make_variables_table
+
+    observation = np.zeros((builder.spec.observation_dim,), np.float32)
+    return [
+        make_replay_table(replay or builder.replay_config(), observation, builder.example_action()),
+        make_variables_table(VARIABLES_TABLE),
+        make_variables_table(EVAL_VARIABLES_TABLE),
+        make_variables_table(CONFIG_TABLE),
+    ]
+
+
+def publish_config(client: Any, config_json: str) -> None:
+    """Puts config.json on the learner's server, where remote actors read it."""
+    import numpy as np
+
+    client.insert([np.frombuffer(config_json.encode(), np.uint8)], {CONFIG_TABLE: 1.0})
 
 
 def derive_seed(*parts: int) -> int:

@@ -1,15 +1,11 @@
 """D4PG policies as pure functions: Gaussian-noise behaviour policy and greedy evaluation policy."""
 
-from typing import Callable
-
 import chex
 import jax
 import jax.numpy as jnp
 
+from actorq_jax.agents.builder import BehaviourPolicy, GreedyPolicy
 from actorq_jax.agents.d4pg.learning import D4PGNetworks
-
-BehaviourPolicy = Callable[[chex.ArrayTree, chex.PRNGKey, jnp.ndarray], jnp.ndarray]
-GreedyPolicy = Callable[[chex.ArrayTree, jnp.ndarray], jnp.ndarray]
 
 
 def make_behaviour_policy(networks: D4PGNetworks, sigma: float) -> BehaviourPolicy:

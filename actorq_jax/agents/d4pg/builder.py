@@ -1,18 +1,19 @@
 """Assembles D4PG for the shared launcher: replay table, learner step, actor and evaluation policies."""
 
+from typing import Tuple
+
 import chex
 import numpy as np
 
-from actorq_jax.agents.builder import AgentBuilder
+from actorq_jax.agents.builder import AgentBuilder, BehaviourPolicy, GreedyPolicy, Metrics
 from actorq_jax.agents.d4pg import acting, learning
 from actorq_jax.agents.d4pg.config import D4PGConfig
 from actorq_jax.environments import EnvironmentSpec
+from actorq_jax.replay import ReplayBatch
 
 
 class D4PGBuilder(AgentBuilder):
-    """What the launcher needs from D4PG (the DQN builder has the same methods)."""
-
-    prioritized = False  # uniform replay: batches carry no sampling info
+    """D4PG behind the agent contract: uniform replay, a deterministic policy with Gaussian exploration."""
 
     def __init__(self, config: D4PGConfig, spec: EnvironmentSpec):
         if spec.discrete:
@@ -21,21 +22,25 @@ class D4PGBuilder(AgentBuilder):
         self.spec = spec
         self.networks = learning.make_networks(config, spec)
         self.actor_network = self.networks.policy
-        self.sgd_step = learning.make_sgd_step(config, self.networks)
+        self._sgd_step = learning.make_sgd_step(config, self.networks)
 
     def init_state(self, key: chex.PRNGKey) -> learning.TrainingState:
         """Fresh learner state."""
         return learning.init_state(self.config, self.networks, self.spec, key)
 
+    def sgd_step(self, state: learning.TrainingState, batch: ReplayBatch) -> Tuple[learning.TrainingState, Metrics]:
+        """One D4PG update of policy and critic."""
+        return self._sgd_step(state, batch)
+
     def actor_params(self, state: learning.TrainingState) -> chex.ArrayTree:
         """The parameters actors and evaluators run: the online policy's."""
         return state.policy_params
 
-    def behaviour_policy(self, actor_id: int, num_actors: int) -> acting.BehaviourPolicy:
-        """Exploring policy of one actor."""
+    def behaviour_policy(self, actor_id: int, num_actors: int) -> BehaviourPolicy:
+        """Exploring policy of one actor (its sigma from the per-actor spread)."""
         return acting.make_behaviour_policy(self.networks, self.config.actor_sigma(actor_id, num_actors))
 
-    def greedy_policy(self) -> acting.GreedyPolicy:
+    def greedy_policy(self) -> GreedyPolicy:
         """Noise-free policy for evaluation."""
         return acting.make_greedy_policy(self.networks)
 

@@ -1,6 +1,6 @@
 """D4PG learning: networks, losses and the pure jitted SGD step."""
 
-from typing import Dict, NamedTuple, Tuple
+from typing import NamedTuple, Tuple
 
 import chex
 import jax
@@ -8,10 +8,12 @@ import jax.numpy as jnp
 import optax
 import rlax
 
+from actorq_jax.agents.builder import Metrics, SgdStep
 from actorq_jax.agents.d4pg.config import D4PGConfig
+from actorq_jax.agents.optimizers import clipped_adam
 from actorq_jax.environments import EnvironmentSpec
 from actorq_jax.networks import CriticNetwork, PolicyNetwork, categorical_mean, value_atoms
-from actorq_jax.replay import Transition
+from actorq_jax.replay import ReplayBatch, Transition
 
 
 class D4PGNetworks(NamedTuple):
@@ -48,11 +50,18 @@ def make_networks(config: D4PGConfig, spec: EnvironmentSpec) -> D4PGNetworks:
     return D4PGNetworks(policy, critic, value_atoms(config.v_min, config.v_max, config.num_atoms))
 
 
-def _optimizers(config: D4PGConfig) -> Tuple[optax.GradientTransformation, optax.GradientTransformation]:
-    clip = optax.clip_by_global_norm(config.max_grad_norm)
-    return (
-        optax.chain(clip, optax.adam(config.policy_learning_rate)),
-        optax.chain(clip, optax.adam(config.critic_learning_rate)),
+class D4PGOptimizers(NamedTuple):
+    """One optimizer per network."""
+
+    policy: optax.GradientTransformation
+    critic: optax.GradientTransformation
+
+
+def make_optimizers(config: D4PGConfig) -> D4PGOptimizers:
+    """Clipped Adam for the policy and for the critic."""
+    return D4PGOptimizers(
+        policy=clipped_adam(config.policy_learning_rate, config.max_grad_norm),
+        critic=clipped_adam(config.critic_learning_rate, config.max_grad_norm),
     )
 
 
@@ -63,14 +72,14 @@ def init_state(config: D4PGConfig, networks: D4PGNetworks, spec: EnvironmentSpec
     act = jnp.zeros((1, spec.action_dim), jnp.float32)
     policy_params = networks.policy.init(policy_key, obs)
     critic_params = networks.critic.init(critic_key, obs, act)
-    policy_opt, critic_opt = _optimizers(config)
+    optimizers = make_optimizers(config)
     return TrainingState(
         policy_params=policy_params,
         critic_params=critic_params,
         target_policy_params=policy_params,
         target_critic_params=critic_params,
-        policy_opt_state=policy_opt.init(policy_params),
-        critic_opt_state=critic_opt.init(critic_params),
+        policy_opt_state=optimizers.policy.init(policy_params),
+        critic_opt_state=optimizers.critic.init(critic_params),
         steps=jnp.zeros((), jnp.int32),
     )
 
@@ -109,19 +118,20 @@ def policy_loss(
     return jnp.mean(jnp.sum(per_example, axis=-1))
 
 
-def make_sgd_step(config: D4PGConfig, networks: D4PGNetworks):
-    """Returns the pure, jitted `sgd_step(state, batch) -> (state, metrics)`."""
-    policy_opt, critic_opt = _optimizers(config)
+def make_sgd_step(config: D4PGConfig, networks: D4PGNetworks) -> SgdStep:
+    """Returns the pure `sgd_step(state, batch) -> (state, metrics)` (jitted on the transitions)."""
+    optimizers = make_optimizers(config)
 
-    def sgd_step(state: TrainingState, batch: Transition) -> Tuple[TrainingState, Dict[str, jnp.ndarray]]:
+    @jax.jit
+    def step(state: TrainingState, batch: Transition) -> Tuple[TrainingState, Metrics]:
         c_loss, c_grads = jax.value_and_grad(critic_loss)(
             state.critic_params, state.target_critic_params, state.target_policy_params, networks, batch
         )
         p_loss, p_grads = jax.value_and_grad(policy_loss)(
             state.policy_params, state.critic_params, networks, batch.observation
         )
-        c_updates, critic_opt_state = critic_opt.update(c_grads, state.critic_opt_state)
-        p_updates, policy_opt_state = policy_opt.update(p_grads, state.policy_opt_state)
+        c_updates, critic_opt_state = optimizers.critic.update(c_grads, state.critic_opt_state)
+        p_updates, policy_opt_state = optimizers.policy.update(p_grads, state.policy_opt_state)
         critic_params = optax.apply_updates(state.critic_params, c_updates)
         policy_params = optax.apply_updates(state.policy_params, p_updates)
         steps = state.steps + 1
@@ -145,4 +155,8 @@ def make_sgd_step(config: D4PGConfig, networks: D4PGNetworks):
         }
         return new_state, metrics
 
-    return jax.jit(sgd_step)
+    def sgd_step(state: TrainingState, batch: ReplayBatch) -> Tuple[TrainingState, Metrics]:
+        # Uniform replay: only the transitions enter jit, the sampling info is not needed.
+        return step(state, batch.data)
+
+    return sgd_step

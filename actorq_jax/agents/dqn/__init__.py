@@ -1,5 +1,14 @@
 """DQN: double Q-learning on n-step returns from prioritized replay, with quantized epsilon-greedy actors."""
 
 from actorq_jax.agents.dqn.config import DQNConfig
+from actorq_jax.agents.registry import AgentEntry, register_agent
+
+register_agent(AgentEntry(
+    name="dqn",
+    config_class=DQNConfig,
+    builder="actorq_jax.agents.dqn.builder:DQNBuilder",
+    default_task="CartPole-v1",
+    description="Runs DQN with quantized actors: learner + prioritized Reverb replay, N actors and an evaluator.",
+))
 
 __all__ = ["DQNConfig"]

@@ -1,24 +1,20 @@
 """DQN policies as pure functions: epsilon-greedy behaviour policy and greedy evaluation policy."""
 
-from typing import Callable
-
 import chex
 import jax
 import jax.numpy as jnp
 
-from actorq_jax.networks import QNetwork
-
-BehaviourPolicy = Callable[[chex.ArrayTree, chex.PRNGKey, jnp.ndarray], jnp.ndarray]
-GreedyPolicy = Callable[[chex.ArrayTree, jnp.ndarray], jnp.ndarray]
+from actorq_jax.agents.builder import BehaviourPolicy, GreedyPolicy
+from actorq_jax.agents.dqn.learning import DQNNetworks
 
 
-def make_behaviour_policy(network: QNetwork, epsilon: float) -> BehaviourPolicy:
+def make_behaviour_policy(networks: DQNNetworks, epsilon: float) -> BehaviourPolicy:
     """`(params, key, observation) -> int32 action`: uniform with probability epsilon, else argmax Q."""
     if not 0.0 <= epsilon <= 1.0:
         raise ValueError(f"epsilon must be in [0, 1], got {epsilon}")
 
     def policy(params: chex.ArrayTree, key: chex.PRNGKey, observation: jnp.ndarray) -> jnp.ndarray:
-        q_values = network.apply(params, observation[None])[0]
+        q_values = networks.q.apply(params, observation[None])[0]
         explore_key, action_key = jax.random.split(key)
         random_action = jax.random.randint(action_key, (), 0, q_values.shape[-1], jnp.int32)
         # uniform() lies in [0, 1): epsilon 0 never explores, epsilon 1 always does.
@@ -28,10 +24,10 @@ def make_behaviour_policy(network: QNetwork, epsilon: float) -> BehaviourPolicy:
     return jax.jit(policy)
 
 
-def make_greedy_policy(network: QNetwork) -> GreedyPolicy:
+def make_greedy_policy(networks: DQNNetworks) -> GreedyPolicy:
     """`(params, observation) -> int32 action` maximising Q."""
 
     def policy(params: chex.ArrayTree, observation: jnp.ndarray) -> jnp.ndarray:
-        return jnp.argmax(network.apply(params, observation[None])[0]).astype(jnp.int32)
+        return jnp.argmax(networks.q.apply(params, observation[None])[0]).astype(jnp.int32)
 
     return jax.jit(policy)

@@ -1,18 +1,19 @@
 """Assembles DQN for the shared launcher: prioritized replay table, learner step, actor and evaluation policies."""
 
+from typing import Optional, Tuple
+
 import chex
 import numpy as np
 
-from actorq_jax.agents.builder import AgentBuilder
+from actorq_jax.agents.builder import AgentBuilder, BehaviourPolicy, GreedyPolicy, Metrics, PriorityUpdate
 from actorq_jax.agents.dqn import acting, learning
 from actorq_jax.agents.dqn.config import DQNConfig
 from actorq_jax.environments import EnvironmentSpec
+from actorq_jax.replay import ReplayBatch
 
 
 class DQNBuilder(AgentBuilder):
-    """What the launcher needs from DQN (the same methods as D4PGBuilder)."""
-
-    prioritized = True  # batches are ReplayBatch; the learner writes metrics["priorities"] back
+    """DQN behind the agent contract: prioritized replay, epsilon-greedy actors with the Ape-X spread."""
 
     def __init__(self, config: DQNConfig, spec: EnvironmentSpec):
         if not spec.discrete:
@@ -21,25 +22,38 @@ class DQNBuilder(AgentBuilder):
             )
         self.config = config
         self.spec = spec
-        self.network = learning.make_network(config, spec)
-        self.actor_network = self.network
-        self.sgd_step = learning.make_sgd_step(config, self.network)
+        self.networks = learning.make_networks(config, spec)
+        self.actor_network = self.networks.q
+        self._sgd_step = learning.make_sgd_step(config, self.networks)
+
+    @property
+    def prioritized(self) -> bool:
+        """DQN samples replay by priority (|TD error|)."""
+        return True
 
     def init_state(self, key: chex.PRNGKey) -> learning.TrainingState:
         """Fresh learner state."""
-        return learning.init_state(self.config, self.network, self.spec, key)
+        return learning.init_state(self.config, self.networks, self.spec, key)
+
+    def sgd_step(self, state: learning.TrainingState, batch: ReplayBatch) -> Tuple[learning.TrainingState, Metrics]:
+        """One importance-weighted double-Q update; metrics["priorities"] are the batch's |TD errors|."""
+        return self._sgd_step(state, batch)
+
+    def priority_update(self, batch: ReplayBatch, metrics: Metrics) -> Optional[PriorityUpdate]:
+        """The sampled items' new priorities: their |TD errors|."""
+        return PriorityUpdate(keys=np.asarray(batch.keys), priorities=np.asarray(metrics["priorities"]))
 
     def actor_params(self, state: learning.TrainingState) -> chex.ArrayTree:
         """The parameters actors and evaluators run: the online Q-network's."""
         return state.params
 
-    def behaviour_policy(self, actor_id: int, num_actors: int) -> acting.BehaviourPolicy:
+    def behaviour_policy(self, actor_id: int, num_actors: int) -> BehaviourPolicy:
         """Epsilon-greedy policy of one actor (its epsilon from the Ape-X spread)."""
-        return acting.make_behaviour_policy(self.network, self.config.actor_epsilon(actor_id, num_actors))
+        return acting.make_behaviour_policy(self.networks, self.config.actor_epsilon(actor_id, num_actors))
 
-    def greedy_policy(self) -> acting.GreedyPolicy:
+    def greedy_policy(self) -> GreedyPolicy:
         """Argmax-Q policy for evaluation."""
-        return acting.make_greedy_policy(self.network)
+        return acting.make_greedy_policy(self.networks)
 
     def example_action(self) -> np.ndarray:
         """An action with the replay table's dtype and shape: an int32 scalar."""

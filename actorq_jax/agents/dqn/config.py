@@ -3,58 +3,43 @@
 import dataclasses
 from typing import Tuple
 
+from actorq_jax.config import actor_position, check, check_ints, check_layers, check_non_negative, check_positive, documented
+
 
 @dataclasses.dataclass(frozen=True)
 class DQNConfig:
-    """Hyper-parameters of DQN (double Q-learning, n-step, prioritized replay); defaults in the spirit of Acme."""
+    """Hyper-parameters of DQN (double Q-learning, n-step, prioritized replay), in the spirit of Acme. Every field is a flag."""
 
     # Network.
-    q_layers: Tuple[int, ...] = (256, 256)  # hidden sizes of the Q-network MLP (the paper went up to 2048,2048,2048)
+    q_layers: Tuple[int, ...] = documented((256, 256), "hidden sizes of the Q-network MLP (comma list; the paper went to 2048x3)")
     # Learning.
-    n_step: int = 5  # n of the n-step return
-    discount: float = 0.99  # per-step discount gamma
-    batch_size: int = 256  # transitions per SGD step
-    learning_rate: float = 1e-3  # Adam step size
-    max_grad_norm: float = 10.0  # global-norm gradient clipping
-    huber_delta: float = 1.0  # loss: Huber with this delta on the TD error; 0 gives the plain L2 loss 0.5 * td^2
-    target_update_period: int = 100  # hard target update every this many SGD steps
+    n_step: int = documented(5, "n of the n-step return")
+    discount: float = documented(0.99, "per-step discount gamma, in (0, 1]")
+    batch_size: int = documented(256, "transitions per SGD step")
+    learning_rate: float = documented(1e-3, "Adam step size")
+    max_grad_norm: float = documented(10.0, "global-norm gradient clipping")
+    huber_delta: float = documented(1.0, "Huber loss delta on the TD error; 0 gives the plain L2 loss 0.5 * td^2")
+    target_update_period: int = documented(100, "hard target update every this many SGD steps")
     # Replay (Reverb), prioritized sampling and rate limiting.
-    priority_exponent: float = 0.6  # alpha: items are sampled with probability priority^alpha / sum
-    importance_sampling_exponent: float = 0.2  # beta: IS weights (N * P)^-beta correct the prioritized sampling
-    samples_per_insert: float = 8.0  # replay ratio (sampled items per inserted item) enforced by Reverb
-    min_replay_size: int = 1000  # transitions before learning starts
-    max_replay_size: int = 100_000  # FIFO capacity
+    priority_exponent: float = documented(0.6, "alpha: items are sampled with probability priority^alpha / sum")
+    importance_sampling_exponent: float = documented(0.2, "beta: IS weights (N * P)^-beta correct the prioritized sampling")
+    samples_per_insert: float = documented(8.0, "replay ratio (sampled items per inserted item) enforced by Reverb")
+    min_replay_size: int = documented(1000, "transitions before learning starts")
+    max_replay_size: int = documented(100_000, "FIFO capacity of the replay table")
     # Exploration: actor i of N uses epsilon ** (1 + epsilon_alpha * i / (N - 1)) (Ape-X); one actor uses epsilon.
-    epsilon: float = 0.4  # base exploration rate (every actor's rate when epsilon_alpha is 0)
-    epsilon_alpha: float = 7.0  # spread of the per-actor rates; 0 gives every actor the same epsilon
+    epsilon: float = documented(0.4, "base exploration rate (every actor's rate when epsilon_alpha is 0)")
+    epsilon_alpha: float = documented(7.0, "Ape-X spread: actor i of N uses epsilon ** (1 + alpha * i / (N - 1))")
 
     def __post_init__(self) -> None:
-        if not self.q_layers or any(int(s) != s or s < 1 for s in self.q_layers):
-            raise ValueError(f"DQNConfig.q_layers must be positive integers, got {self.q_layers!r}")
-        for name in ("n_step", "batch_size", "target_update_period", "min_replay_size", "max_replay_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"DQNConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.min_replay_size > self.max_replay_size:
-            raise ValueError(
-                f"DQNConfig.min_replay_size ({self.min_replay_size}) must be <= max_replay_size ({self.max_replay_size})"
-            )
-        if not 0.0 < self.discount <= 1.0:
-            raise ValueError(f"DQNConfig.discount must be in (0, 1], got {self.discount}")
-        if not 0.0 <= self.epsilon <= 1.0:
-            raise ValueError(f"DQNConfig.epsilon must be in [0, 1], got {self.epsilon}")
-        for name in ("learning_rate", "max_grad_norm", "samples_per_insert"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"DQNConfig.{name} must be > 0, got {getattr(self, name)}")
-        for name in ("huber_delta", "priority_exponent", "importance_sampling_exponent", "epsilon_alpha"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"DQNConfig.{name} must be >= 0, got {getattr(self, name)}")
+        check_layers(self, ("q_layers",))
+        check_ints(self, ("n_step", "batch_size", "target_update_period", "min_replay_size", "max_replay_size"))
+        check(self.min_replay_size <= self.max_replay_size, self, "min_replay_size",
+              f"must be <= max_replay_size ({self.max_replay_size})")
+        check(0.0 < self.discount <= 1.0, self, "discount", "must be in (0, 1]")
+        check(0.0 <= self.epsilon <= 1.0, self, "epsilon", "must be in [0, 1]")
+        check_positive(self, ("learning_rate", "max_grad_norm", "samples_per_insert"))
+        check_non_negative(self, ("huber_delta", "priority_exponent", "importance_sampling_exponent", "epsilon_alpha"))
 
     def actor_epsilon(self, actor_id: int, num_actors: int) -> float:
         """Exploration rate of one actor under the Ape-X spread."""
-        if num_actors < 1 or not 0 <= actor_id:
-            raise ValueError(f"need num_actors >= 1 and actor_id >= 0, got actor_id={actor_id}, num_actors={num_actors}")
-        if num_actors == 1:
-            return self.epsilon
-        # Remote actors may join with ids beyond the local ones: they get the lowest rate, not a smaller one still.
-        position = min(actor_id, num_actors - 1) / (num_actors - 1)
-        return float(self.epsilon ** (1.0 + self.epsilon_alpha * position))
+        return float(self.epsilon ** (1.0 + self.epsilon_alpha * actor_position(actor_id, num_actors)))

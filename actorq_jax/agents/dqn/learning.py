@@ -1,6 +1,6 @@
 """DQN learning: the Q-network, the prioritized double-Q loss and the pure jitted SGD step."""
 
-from typing import Callable, Dict, NamedTuple, Tuple
+from typing import NamedTuple, Tuple
 
 import chex
 import jax
@@ -9,12 +9,24 @@ import numpy as np
 import optax
 import rlax
 
+from actorq_jax.agents.builder import Metrics, SgdStep
 from actorq_jax.agents.dqn.config import DQNConfig
+from actorq_jax.agents.optimizers import clipped_adam
 from actorq_jax.environments import EnvironmentSpec
 from actorq_jax.networks import QNetwork
 from actorq_jax.replay import ReplayBatch, Transition
 
-SgdStep = Callable[["TrainingState", ReplayBatch], Tuple["TrainingState", Dict[str, jnp.ndarray]]]
+
+class DQNNetworks(NamedTuple):
+    """The Q-network (the module actors run)."""
+
+    q: QNetwork
+
+
+class DQNOptimizers(NamedTuple):
+    """The optimizer of the Q-network."""
+
+    q: optax.GradientTransformation
 
 
 class TrainingState(NamedTuple):
@@ -26,25 +38,25 @@ class TrainingState(NamedTuple):
     steps: jnp.ndarray  # int32 scalar: SGD steps taken
 
 
-def make_network(config: DQNConfig, spec: EnvironmentSpec) -> QNetwork:
+def make_networks(config: DQNConfig, spec: EnvironmentSpec) -> DQNNetworks:
     """The Q-network: observation -> one value per discrete action."""
     if not spec.discrete:
         raise ValueError("DQN needs a discrete-action task (e.g. CartPole-v1); use D4PG for continuous actions")
-    return QNetwork(num_actions=int(spec.num_actions), layer_sizes=tuple(config.q_layers))
+    return DQNNetworks(q=QNetwork(num_actions=int(spec.num_actions), layer_sizes=tuple(config.q_layers)))
 
 
-def make_optimizer(config: DQNConfig) -> optax.GradientTransformation:
-    """Adam behind global-norm clipping."""
-    return optax.chain(optax.clip_by_global_norm(config.max_grad_norm), optax.adam(config.learning_rate))
+def make_optimizers(config: DQNConfig) -> DQNOptimizers:
+    """Clipped Adam for the Q-network."""
+    return DQNOptimizers(q=clipped_adam(config.learning_rate, config.max_grad_norm))
 
 
-def init_state(config: DQNConfig, network: QNetwork, spec: EnvironmentSpec, key: chex.PRNGKey) -> TrainingState:
+def init_state(config: DQNConfig, networks: DQNNetworks, spec: EnvironmentSpec, key: chex.PRNGKey) -> TrainingState:
     """Initial parameters (target equal to online) and optimiser state."""
-    params = network.init(key, jnp.zeros((1, spec.observation_dim), jnp.float32))
+    params = networks.q.init(key, jnp.zeros((1, spec.observation_dim), jnp.float32))
     return TrainingState(
         params=params,
         target_params=params,
-        opt_state=make_optimizer(config).init(params),
+        opt_state=make_optimizers(config).q.init(params),
         steps=jnp.zeros((), jnp.int32),
     )
 
@@ -83,14 +95,15 @@ def loss_fn(
     return jnp.mean(weights * per_example), td
 
 
-def make_sgd_step(config: DQNConfig, network: QNetwork) -> SgdStep:
+def make_sgd_step(config: DQNConfig, networks: DQNNetworks) -> SgdStep:
     """Returns the pure `sgd_step(state, batch) -> (state, metrics)`; metrics["priorities"] are |TD errors|."""
-    optimizer = make_optimizer(config)
+    optimizer = make_optimizers(config).q
+    network = networks.q
 
     @jax.jit
     def step(
         state: TrainingState, data: Transition, probabilities: jnp.ndarray, table_size: jnp.ndarray
-    ) -> Tuple[TrainingState, Dict[str, jnp.ndarray]]:
+    ) -> Tuple[TrainingState, Metrics]:
         weights = importance_weights(probabilities, table_size, config.importance_sampling_exponent)
         (loss, td), grads = jax.value_and_grad(loss_fn, has_aux=True)(
             state.params, state.target_params, network, data, weights, config.huber_delta
@@ -109,7 +122,7 @@ def make_sgd_step(config: DQNConfig, network: QNetwork) -> SgdStep:
         }
         return TrainingState(params, target_params, opt_state, steps), metrics
 
-    def sgd_step(state: TrainingState, batch: ReplayBatch) -> Tuple[TrainingState, Dict[str, jnp.ndarray]]:
+    def sgd_step(state: TrainingState, batch: ReplayBatch) -> Tuple[TrainingState, Metrics]:
         # Only the numeric parts enter jit: the uint64 item keys stay with the learner for the write-back.
         probabilities = np.asarray(batch.probabilities, np.float32)
         table_size = np.asarray(batch.table_size, np.float32)

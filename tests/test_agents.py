@@ -1,0 +1,218 @@
+"""The agent contract and registry: a new agent defined here runs through flags, config.json and the builder."""
+
+import dataclasses
+from typing import Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from actorq_jax.agents.builder import AgentBuilder
+from actorq_jax.agents.d4pg.config import D4PGConfig
+from actorq_jax.agents.dqn.config import DQNConfig
+from actorq_jax.agents.registry import AgentEntry, agent_names, get_agent, register_agent, unregister_agent
+from actorq_jax.config import documented
+from actorq_jax.environments import environment_spec, make_environment
+from actorq_jax.launch import runtime
+from actorq_jax.launch.config import RunConfig, config_from_json, save_config
+from actorq_jax.launch.flags import build_parser, parse_run
+from actorq_jax.networks import QNetwork
+from actorq_jax.replay import ReplayBatch, Transition
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyConfig:
+    """A one-network agent: regress Q(o, a) on the n-step reward."""
+
+    layers: Tuple[int, ...] = documented((8,), "hidden sizes")
+    learning_rate: float = documented(0.1, "SGD step size")
+    greedy: bool = documented(False, "act greedily even while exploring")
+    seed_offset: Optional[int] = documented(None, "unused; shows Optional fields parse")
+    n_step: int = documented(3, "n of the n-step return")
+    discount: float = documented(0.9, "gamma")
+    batch_size: int = documented(4, "transitions per step")
+    samples_per_insert: float = documented(2.0, "replay ratio")
+    min_replay_size: int = documented(1, "transitions before learning")
+    max_replay_size: int = documented(100, "replay capacity")
+
+    def __post_init__(self) -> None:
+        if self.learning_rate <= 0:
+            raise ValueError(f"TinyConfig.learning_rate must be > 0, got {self.learning_rate}")
+
+
+class TinyBuilder(AgentBuilder):
+    """The contract's minimum: a Q-network trained by plain SGD, greedy with a random tie-break."""
+
+    def __init__(self, config: TinyConfig, spec):
+        self.config, self.spec = config, spec
+        self.actor_network = QNetwork(num_actions=int(spec.num_actions), layer_sizes=config.layers)
+        self._opt = optax.sgd(config.learning_rate)
+
+    def init_state(self, key):
+        params = self.actor_network.init(key, jnp.zeros((1, self.spec.observation_dim)))
+        return (params, self._opt.init(params))
+
+    def sgd_step(self, state, batch: ReplayBatch):
+        params, opt_state = state
+
+        def loss(p):
+            q = self.actor_network.apply(p, batch.data.observation)
+            chosen = jnp.take_along_axis(q, batch.data.action[:, None].astype(jnp.int32), axis=1)[:, 0]
+            return jnp.mean((chosen - batch.data.reward) ** 2)
+
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt_state = self._opt.update(grads, opt_state)
+        return (optax.apply_updates(params, updates), opt_state), {"loss": value}
+
+    def actor_params(self, state):
+        return state[0]
+
+    def behaviour_policy(self, actor_id, num_actors):
+        return lambda params, key, obs: jnp.argmax(self.actor_network.apply(params, obs[None])[0]).astype(jnp.int32)
+
+    def greedy_policy(self):
+        return lambda params, obs: jnp.argmax(self.actor_network.apply(params, obs[None])[0]).astype(jnp.int32)
+
+    def example_action(self):
+        return np.zeros((), np.int32)
+
+
+@pytest.fixture
+def tiny_agent():
+    entry = register_agent(AgentEntry(name="tiny", config_class=TinyConfig, builder=TinyBuilder,
+                                      default_task="CartPole-v1", description="a test agent"))
+    yield entry
+    unregister_agent("tiny")
+
+
+def _batch(size: int = 4) -> ReplayBatch:
+    rng = np.random.default_rng(0)
+    data = Transition(observation=rng.normal(size=(size, 4)).astype(np.float32),
+                      action=rng.integers(0, 2, size).astype(np.int32), reward=np.ones(size, np.float32),
+                      discount=np.full(size, 0.9, np.float32), next_observation=rng.normal(size=(size, 4)).astype(np.float32))
+    return ReplayBatch(data, np.arange(size, dtype=np.uint64), np.full(size, 1 / size), np.full(size, size, np.int64))
+
+
+@pytest.mark.timeout(120)
+def test_a_registered_agent_runs_through_flags_config_json_and_its_builder(tiny_agent, tmp_path):
+    assert "tiny" in agent_names()
+    run, config = parse_run("tiny", ["--layers", "16,8", "--learning_rate", "0.05", "--greedy", "true",
+                                     "--results_dir", str(tmp_path / "r"), "--actor_bits", "4"])
+    assert run.agent == "tiny" and run.task == "CartPole-v1"  # the agent's default task
+    assert run.actor_bits == 4 and run.num_actors == RunConfig.num_actors
+    assert config == TinyConfig(layers=(16, 8), learning_rate=0.05, greedy=True)
+    # config.json round trip: what every worker process reads back.
+    save_config(tmp_path / "config.json", run, config)
+    assert config_from_json((tmp_path / "config.json").read_text()) == (run, config)
+
+    spec = environment_spec(make_environment(run.task, seed=0))
+    builder = runtime.make_builder(run.agent, config, spec)
+    assert isinstance(builder, TinyBuilder)
+    assert builder.adder_config() == ("replay", 3, 0.9)
+    assert builder.replay_config().samples_per_insert == 2.0 and not builder.replay_config().prioritized
+    assert builder.batch_size == 4
+    state = builder.init_state(jax.random.PRNGKey(0))
+    batch = _batch()
+    _, first = builder.sgd_step(state, batch)
+    for _ in range(20):
+        state, metrics = builder.sgd_step(state, batch)
+    assert float(metrics["loss"]) < float(first["loss"])
+    assert builder.priority_update(batch, metrics) is None
+    template = builder.params_template()
+    assert jax.tree_util.tree_structure(template) == jax.tree_util.tree_structure(builder.actor_params(state))
+    action = builder.behaviour_policy(0, 1)(builder.actor_params(state), jax.random.PRNGKey(1), jnp.zeros(4))
+    assert action.dtype == jnp.int32 and 0 <= int(action) < 2
+
+
+def test_registered_agent_flags_are_validated_by_its_config(tiny_agent, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_run("tiny", ["--learning_rate", "0", "--results_dir", str(tmp_path / "r")])
+    assert exit_info.value.code == 2
+    assert "--learning_rate" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_run("tiny", ["--layers", "8,x", "--results_dir", str(tmp_path / "r")])
+    assert "--layers" in capsys.readouterr().err
+
+
+def test_a_builder_missing_part_of_the_contract_cannot_be_built():
+    class Incomplete(AgentBuilder):
+        def init_state(self, key):
+            return ()
+
+    with pytest.raises(TypeError, match="abstract"):
+        Incomplete()
+
+
+def test_registry_names_agents_and_rejects_unknown_or_conflicting_ones():
+    assert {"d4pg", "dqn"} <= set(agent_names())
+    assert get_agent("d4pg").config_class is D4PGConfig and get_agent("dqn").default_task == "CartPole-v1"
+    with pytest.raises(ValueError, match="unknown agent 'sac'.*d4pg"):
+        get_agent("sac")
+    with pytest.raises(ValueError, match="already registered"):
+        register_agent(dataclasses.replace(get_agent("dqn"), default_task="Acrobot-v1"))
+    with pytest.raises(ValueError, match="module:Class"):
+        AgentEntry(name="x", config_class=TinyConfig, builder="no_colon", default_task="CartPole-v1")
+
+
+@pytest.mark.parametrize("agent, config_class", [("d4pg", D4PGConfig), ("dqn", DQNConfig)])
+def test_flag_defaults_are_the_config_defaults(agent, config_class):
+    args = vars(build_parser(agent).parse_args([]))
+    for field in dataclasses.fields(config_class):
+        assert args[field.name] == field.default, field.name
+    for field in dataclasses.fields(RunConfig):
+        if field.name in ("agent", "resume", "task", "results_dir"):
+            continue  # not flags, or defaults the parser fills in (the agent's task, a stamped directory)
+        assert args[field.name] == field.default, field.name
+    assert args["task"] == get_agent(agent).default_task
+
+
+@pytest.mark.parametrize(
+    "agent, flags, named",
+    [
+        ("d4pg", ["--discount", "0"], "--discount"),
+        ("d4pg", ["--sigma_spread", "3"], "--sigma_spread"),
+        ("d4pg", ["--num_atoms", "1"], "--num_atoms"),
+        ("d4pg", ["--min_replay_size", "20", "--max_replay_size", "10"], "--min_replay_size"),
+        ("dqn", ["--epsilon", "1.5"], "--epsilon"),
+        ("dqn", ["--q_layers", "0"], "--q_layers"),
+        ("dqn", ["--policy_learning_rate", "1e-3"], "--policy_learning_rate"),  # a D4PG flag
+        ("dqn", ["--max_actor_restarts", "-1"], "--max_actor_restarts"),
+        ("dqn", ["--port", "70000"], "--port"),
+    ],
+)
+def test_bad_agent_flags_exit_2_naming_the_flag(agent, flags, named, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_run(agent, [*flags, "--results_dir", str(tmp_path / "r")])
+    assert exit_info.value.code == 2
+    assert named in capsys.readouterr().err
+
+
+def test_configs_validate_as_thoroughly_in_both_agents():
+    for config_class, bad in ((D4PGConfig, {"batch_size": 0}), (D4PGConfig, {"critic_layers": ()}),
+                              (D4PGConfig, {"policy_learning_rate": -1.0}), (D4PGConfig, {"sigma": -0.1}),
+                              (DQNConfig, {"batch_size": 0}), (DQNConfig, {"learning_rate": 0.0}),
+                              (DQNConfig, {"huber_delta": -1.0}), (DQNConfig, {"n_step": 1.5})):
+        name = next(iter(bad))
+        with pytest.raises(ValueError, match=f"{config_class.__name__}.{name}"):
+            config_class(**bad)
+
+
+def test_remote_actor_ids_beyond_the_local_ones_act_as_the_last_actor():
+    d4pg = D4PGConfig(sigma=0.3, sigma_spread=1.0)
+    dqn = DQNConfig()
+    assert d4pg.actor_sigma(100, 4) == d4pg.actor_sigma(3, 4) == pytest.approx(0.45)
+    assert d4pg.actor_sigma(0, 4) == pytest.approx(0.15)
+    assert dqn.actor_epsilon(100, 4) == dqn.actor_epsilon(3, 4)
+    for config in (d4pg, dqn):
+        with pytest.raises(ValueError, match="actor_id"):
+            (config.actor_sigma if config is d4pg else config.actor_epsilon)(-1, 2)
+
+
+def test_run_config_rejects_bad_values_naming_the_flag():
+    with pytest.raises(ValueError, match="--actor_bits"):
+        RunConfig(task="CartPole-v1", results_dir="r", actor_bits=12)
+    with pytest.raises(ValueError, match="--task"):
+        RunConfig(task="", results_dir="r")
+    assert RunConfig(task="CartPole-v1", results_dir="r", comm_bits=16).wire_bits == 16
