@@ -46,6 +46,10 @@ class RunConfig:
     actor_threads: int = documented(1, "XLA/intra-op threads per actor process")
     learner_threads: int = documented(0, "XLA threads of the learner (0: every core)")
     max_actor_restarts: int = documented(3, "restarts per actor slot before the run goes on without it")
+    max_learner_restarts: int = documented(
+        2, "times the launcher restarts a dead learner from its last checkpoint (replay included) before stopping the run")
+    server_timeout_s: float = documented(
+        60.0, "seconds an actor keeps reconnecting to an unreachable learner before it exits non-zero")
     port: int = documented(0, "Reverb port of the learner (0: a free one)")
     resume: bool = documented(False, "continue from results_dir's last checkpoint (the flag is --resume RESULTS_DIR)",
                               flag=False)
@@ -84,9 +88,11 @@ def run_config_problems(run: Any) -> List[Tuple[str, str]]:
     for name in ("update_period", "publish_period", "eval_period", "eval_episodes", "checkpoint_period", "actor_threads"):
         if getattr(run, name) < 1:
             problems.append((name, f"must be >= 1, got {getattr(run, name)}"))
-    for name in ("learner_threads", "max_actor_restarts"):
+    for name in ("learner_threads", "max_actor_restarts", "max_learner_restarts"):
         if getattr(run, name) < 0:
             problems.append((name, f"must be >= 0, got {getattr(run, name)}"))
+    if not run.server_timeout_s > 0:
+        problems.append(("server_timeout_s", f"must be > 0, got {run.server_timeout_s}"))
     if not 0 <= run.port < 65536:
         problems.append(("port", f"must be in 0..65535, got {run.port}"))
     for name in BUDGETS:

@@ -4,9 +4,11 @@
 # order bars are stacked in the actor-time figure.
 ACTOR_PHASES = ("env_step", "inference", "adder", "pull", "deserialize", "load")
 
-# actors/actor_<i>.csv: one row per finished episode.
+# actors/actor_<i>.csv: one row per finished episode. rejected_payloads counts (cumulatively) the
+# variable payloads the actor refused (malformed, non-finite, or not fitting its network).
 ACTOR_FIELDS = (
     "actor_id", "episode", "env_steps", "episode_return", "episode_length", "wall_seconds", "params_version",
+    "rejected_payloads",
 ) + tuple(f"{phase}_s" for phase in ACTOR_PHASES)
 
 # eval.csv: one row per evaluation episode and policy ("fp32", or "actor": what actors run).
