@@ -47,7 +47,6 @@ def test_dm_control_specs_and_shapes():
     assert isinstance(env.action_spec(), specs.BoundedArray)
     assert env.action_spec().dtype == np.float32
     assert env.observation_spec().shape == (5,)
-    assert env.observation_keys == ("position", "velocity")
 
     first = env.reset()
     assert first.first() and first.reward is None
@@ -59,14 +58,19 @@ def test_dm_control_specs_and_shapes():
 
 
 def test_dm_control_observation_order_follows_suite():
-    env = make_environment("walker_stand", seed=3)
-    raw = env.physics  # the same physics the suite observes
-    keys = env.observation_keys
-    assert keys == ("orientations", "height", "velocity")  # the suite's order, not sorted
+    from dm_control import suite
+
+    raw = suite.load("walker", "stand", task_kwargs={"random": 3})
+    assert list(raw.observation_spec()) == ["orientations", "height", "velocity"]  # the suite's order, not sorted
+    env = DmControlEnvironment(raw)
     ts = env.reset()
     assert ts.observation.shape == (14 + 1 + 9,)
     # The scalar "height" sits between orientations and velocity.
-    np.testing.assert_allclose(ts.observation[14], raw.torso_height(), rtol=1e-6)
+    np.testing.assert_allclose(ts.observation[14], raw.physics.torso_height(), rtol=1e-6)
+    ts = env.step(np.zeros(6, np.float32))
+    suite_observation = raw.task.get_observation(raw.physics)
+    np.testing.assert_allclose(ts.observation, np.concatenate([np.ravel(suite_observation[k]) for k in
+                                                               ("orientations", "height", "velocity")]), rtol=1e-6)
 
 
 def test_dm_control_same_seed_same_trajectory():

@@ -1,4 +1,4 @@
-"""The int8 benchmarks run end to end (--quick) and report every case and the headline keys BENCHMARKS.md names."""
+"""The int8 benchmarks run end to end (--quick) and report every case and the headline keys RESULTS.md quotes."""
 
 import json
 import math

@@ -179,6 +179,35 @@ def test_csv_logger_flush_every_row(tmp_path):
     log.close()  # idempotent
 
 
+def test_read_csv_parses_values_and_reads_files_being_written(tmp_path):
+    path = tmp_path / "actor_0.csv"
+    assert read_csv(path) == []  # not created yet
+    path.write_text("")
+    assert read_csv(path) == []
+    path.write_text("step,ret")  # a header still being written
+    assert read_csv(path) == []
+    path.write_text("step,ret,policy,tag\r\n")
+    assert read_csv(path) == []
+    with CsvLogger(path, ["step", "ret", "policy", "tag"], flush_every_s=0) as log:
+        log.write({"step": 1, "ret": -2.5, "policy": "actor", "tag": "1_000"})
+        log.write({"step": 2, "ret": float("inf"), "policy": 8})
+    with open(path, "a", newline="") as f:
+        f.write("3,1.")  # the next row, half written
+    assert read_csv(path) == [
+        {"step": 1, "ret": -2.5, "policy": "actor", "tag": "1_000"},
+        {"step": 2, "ret": math.inf, "policy": 8, "tag": None},
+    ]
+
+
+def test_read_csv_short_rows_fill_none_and_long_rows_raise(tmp_path):
+    path = tmp_path / "r.csv"
+    path.write_text("a,b,c\n1\n")
+    assert read_csv(path) == [{"a": 1, "b": None, "c": None}]
+    path.write_text("a,b\n1,2\n3,4,5\n")
+    with pytest.raises(ValueError, match="line 3"):
+        read_csv(path)
+
+
 def test_csv_logger_rejects_bad_fieldnames(tmp_path):
     with pytest.raises(ValueError, match="duplicate"):
         CsvLogger(tmp_path / "d.csv", ["a", "a"])

@@ -109,13 +109,3 @@ class DmControlEnvironment(dm_env.Environment):
     def close(self) -> None:
         """Releases the underlying simulator."""
         self._env.close()
-
-    @property
-    def observation_keys(self) -> tuple:
-        """The suite's observation names, in the order they are concatenated."""
-        return self._keys
-
-    @property
-    def physics(self):
-        """The underlying dm_control physics (for rendering or inspection)."""
-        return self._env.physics

@@ -91,8 +91,3 @@ class GymnasiumEnvironment(dm_env.Environment):
     def close(self) -> None:
         """Closes the gymnasium env."""
         self._env.close()
-
-    @property
-    def gym_env(self) -> gymnasium.Env:
-        """The wrapped gymnasium env."""
-        return self._env

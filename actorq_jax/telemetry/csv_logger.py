@@ -172,6 +172,8 @@ class CsvLogger:
 def _parse(value: Optional[str]) -> Any:
     if value is None or value == "":  # None: a short row (DictReader's restval)
         return None
+    if "_" in value:  # int() and float() accept digit separators ("1_000"); a name like "q_8" stays a name
+        return value
     try:
         return int(value)
     except ValueError:
@@ -183,11 +185,30 @@ def _parse(value: Optional[str]) -> Any:
 
 
 def read_csv(path: PathLike) -> List[Dict[str, Any]]:
-    """Reads a CSV file into a list of row dicts, numbers parsed.
+    """The rows of a CSV file with a header line, as dicts of parsed values ([] when the file does not exist).
 
-    Each field becomes an int if it parses as one, else a float (including
-    nan/inf), else stays a string; empty fields become None. For analysis,
-    pandas.read_csv reads the same files.
+    Keys are the header's column names, in its order. A field becomes an int
+    if int() parses it, else a float if float() does (nan and inf included),
+    else it stays a string; a field holding "_" always stays a string; empty
+    fields, and the missing fields of a short row, become None. A last line
+    without a line ending (a row still being written, or cut off by a kill;
+    CsvLogger drops it on reopen) is left out, so a file another process is
+    writing reads as its complete rows. A missing, empty or header-only file
+    gives []. A row with more fields than the header raises ValueError naming
+    the file and line. For analysis, pandas.read_csv reads the same files.
     """
-    with open(path, "r", newline="", encoding="utf-8") as f:
-        return [{key: _parse(value) for key, value in row.items()} for row in csv.DictReader(f)]
+    try:
+        with open(path, "r", newline="", encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        return []
+    if not text.endswith("\n"):
+        text = text[:text.rfind("\n") + 1]
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    rows = []
+    for row in reader:
+        if None in row:  # DictReader's restkey: fields beyond the header
+            raise ValueError(f"{path}, line {reader.line_num}: {len(reader.fieldnames) + len(row[None])} fields, "
+                             f"but the header has {len(reader.fieldnames)}")
+        rows.append({key: _parse(value) for key, value in row.items()})
+    return rows
