@@ -183,6 +183,18 @@ def test_gymnasium_wrapper_on_time_limit():
     assert ts[4].first()
 
 
+def test_gymnasium_action_repeat_sums_rewards_and_stops_at_the_end():
+    env = make_environment("CartPole-v1", seed=0, action_repeat=3)
+    env.reset()
+    assert env.step(1).reward == 3.0  # CartPole pays 1 per underlying step
+    ts, steps = env.step(0), 2
+    while not ts.last():
+        ts, steps = env.step(0), steps + 1
+    assert ts.discount == 0.0 and 1.0 <= ts.reward <= 3.0  # the fall ended the repeat early
+    assert steps <= 40  # pushing one way topples the pole within about 40 underlying steps, i.e. ~13 agent steps
+    assert env.step(0).first()
+
+
 def test_gymnasium_wrapper_rejects_continuous_actions():
     with pytest.raises(ValueError, match="Discrete"):
         GymnasiumEnvironment(gymnasium.make("Pendulum-v1"), seed=0)
