@@ -61,6 +61,25 @@ def check_layers(config: Any, names: Iterable[str]) -> None:
         check(ok, config, name, "must be a non-empty tuple of positive integers")
 
 
+RATE_LIMITERS = ("ratio", "min_size")
+
+
+def check_replay(config: Any) -> None:
+    """The replay fields every agent config has: sizes, the rate-limiting regime and its parameters."""
+    check_ints(config, ("batch_size", "min_replay_size", "max_replay_size"))
+    check(config.min_replay_size <= config.max_replay_size, config, "min_replay_size",
+          f"must be <= max_replay_size ({config.max_replay_size})")
+    check(config.rate_limiter in RATE_LIMITERS, config, "rate_limiter", f"must be one of {RATE_LIMITERS}")
+    check_positive(config, ("samples_per_insert",))
+    check_ints(config, ("max_times_sampled",), minimum=0)
+    if config.rate_limiter == "min_size":
+        check(config.max_times_sampled >= 1, config, "max_times_sampled",
+              "must be >= 1 with rate_limiter min_size (otherwise the learner resamples the first items forever)")
+    else:
+        check(config.max_times_sampled == 0, config, "max_times_sampled",
+              "applies only with rate_limiter min_size (the ratio regime already bounds sampling)")
+
+
 def _finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value and abs(value) != float("inf")
 

@@ -13,7 +13,7 @@ from actorq_jax.agents.builder import AgentBuilder
 from actorq_jax.agents.d4pg.config import D4PGConfig
 from actorq_jax.agents.dqn.config import DQNConfig
 from actorq_jax.agents.registry import AgentEntry, agent_names, get_agent, register_agent, unregister_agent
-from actorq_jax.config import documented
+from actorq_jax.config import check_positive, check_replay, documented
 from actorq_jax.environments import environment_spec, make_environment
 from actorq_jax.launch import runtime
 from actorq_jax.launch.config import RunConfig, config_from_json, save_config
@@ -36,10 +36,12 @@ class TinyConfig:
     samples_per_insert: float = documented(2.0, "replay ratio")
     min_replay_size: int = documented(1, "transitions before learning")
     max_replay_size: int = documented(100, "replay capacity")
+    rate_limiter: str = documented("ratio", "replay regime")
+    max_times_sampled: int = documented(0, "cap on samples per item (min_size regime)")
 
     def __post_init__(self) -> None:
-        if self.learning_rate <= 0:
-            raise ValueError(f"TinyConfig.learning_rate must be > 0, got {self.learning_rate}")
+        check_positive(self, ("learning_rate",))
+        check_replay(self)
 
 
 class TinyBuilder(AgentBuilder):

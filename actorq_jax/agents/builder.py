@@ -87,13 +87,15 @@ class AgentBuilder(abc.ABC):
         return False
 
     def replay_config(self) -> ReplayTableConfig:
-        """The replay table: FIFO removal, rate-limited to the configured samples per insert."""
+        """The replay table: FIFO removal; rate-limited to samples_per_insert, or free with a cap on samples per item."""
         c = self.config
+        ratio = c.rate_limiter == "ratio"
         return ReplayTableConfig(
             name="replay",
             max_size=c.max_replay_size,
             min_size=c.min_replay_size,
-            samples_per_insert=c.samples_per_insert,
+            samples_per_insert=c.samples_per_insert if ratio else None,
+            max_times_sampled=0 if ratio else c.max_times_sampled,
             prioritized=self.prioritized,
             **({"priority_exponent": c.priority_exponent} if self.prioritized else {}),
         )

@@ -9,8 +9,6 @@ import numpy as np
 import reverb
 import tensorflow as tf
 
-from actorq_jax.replay.types import Transition
-
 
 @dataclasses.dataclass(frozen=True)
 class ReplayTableConfig:
@@ -26,6 +24,10 @@ class ReplayTableConfig:
         None -> max(1, spi, 0.1 * spi * min_size), i.e. a 10% slack on the warm-up.
       prioritized: False -> uniform sampling (D4PG); True -> prioritized (DQN).
       priority_exponent: the alpha of prioritized sampling (ignored when uniform).
+      max_times_sampled: an item is removed after this many samples (0: never; FIFO
+        removal at max_size still applies). With samples_per_insert None this is the
+        QuaRL paper's actorQ regime: actors insert freely, the learner samples each
+        item at most this often.
     """
 
     name: str = "replay"
@@ -35,6 +37,7 @@ class ReplayTableConfig:
     error_tolerance: Optional[float] = None
     prioritized: bool = False
     priority_exponent: float = 0.6
+    max_times_sampled: int = 0
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -59,6 +62,12 @@ class ReplayTableConfig:
             raise ValueError(
                 f"ReplayTableConfig.priority_exponent must be >= 0, "
                 f"got priority_exponent={self.priority_exponent!r}")
+
+        if isinstance(self.max_times_sampled, bool) or not isinstance(self.max_times_sampled, int) \
+                or self.max_times_sampled < 0:
+            raise ValueError(
+                f"ReplayTableConfig.max_times_sampled must be an int >= 0, "
+                f"got max_times_sampled={self.max_times_sampled!r}")
 
     @property
     def effective_error_tolerance(self) -> float:
@@ -96,10 +105,6 @@ def transition_signature(observation_example: np.ndarray,
     }
 
 
-# Field order of the stored items; matches Transition so datasets map by name.
-TRANSITION_FIELDS = Transition._fields
-
-
 def make_replay_table(config: ReplayTableConfig, observation_example: np.ndarray,
                       action_example: np.ndarray) -> reverb.Table:
     """A replay table of n-step Transitions: uniform (or prioritized) sampling, FIFO removal."""
@@ -112,6 +117,7 @@ def make_replay_table(config: ReplayTableConfig, observation_example: np.ndarray
         sampler=sampler,
         remover=reverb.selectors.Fifo(),
         max_size=config.max_size,
+        max_times_sampled=config.max_times_sampled,
         rate_limiter=config.rate_limiter(),
         signature=transition_signature(observation_example, action_example))
 

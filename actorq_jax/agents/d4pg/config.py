@@ -3,7 +3,16 @@
 import dataclasses
 from typing import Tuple
 
-from actorq_jax.config import actor_position, check, check_ints, check_layers, check_non_negative, check_positive, documented
+from actorq_jax.config import (
+    actor_position,
+    check,
+    check_ints,
+    check_layers,
+    check_non_negative,
+    check_positive,
+    check_replay,
+    documented,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +36,9 @@ class D4PGConfig:
     target_update_period: int = documented(100, "hard target update every this many SGD steps")
     # Replay (Reverb) and rate limiting.
     samples_per_insert: float = documented(32.0, "replay ratio enforced by Reverb's rate limiter")
+    rate_limiter: str = documented(
+        "ratio", "ratio: actors and learner held to samples_per_insert; min_size: actors run free (the paper's actorQ)")
+    max_times_sampled: int = documented(0, "with rate_limiter min_size: an item is removed after this many samples")
     min_replay_size: int = documented(1000, "transitions before learning starts")
     max_replay_size: int = documented(1_000_000, "FIFO capacity of the replay table")
     # Exploration.
@@ -35,13 +47,12 @@ class D4PGConfig:
 
     def __post_init__(self) -> None:
         check_layers(self, ("policy_layers", "critic_layers"))
-        check_ints(self, ("n_step", "batch_size", "target_update_period", "min_replay_size", "max_replay_size"))
+        check_ints(self, ("n_step", "target_update_period"))
+        check_replay(self)
         check_ints(self, ("num_atoms",), minimum=2)
-        check(self.min_replay_size <= self.max_replay_size, self, "min_replay_size",
-              f"must be <= max_replay_size ({self.max_replay_size})")
         check(0.0 < self.discount <= 1.0, self, "discount", "must be in (0, 1]")
         check(self.v_min < self.v_max, self, "v_min", f"must be < v_max ({self.v_max})")
-        check_positive(self, ("policy_learning_rate", "critic_learning_rate", "max_grad_norm", "samples_per_insert"))
+        check_positive(self, ("policy_learning_rate", "critic_learning_rate", "max_grad_norm"))
         check_non_negative(self, ("sigma",))
         # A spread beyond 2 would give the first actor a negative sigma.
         check(0.0 <= self.sigma_spread <= 2.0, self, "sigma_spread", "must be in [0, 2]")

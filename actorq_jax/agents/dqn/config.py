@@ -3,7 +3,16 @@
 import dataclasses
 from typing import Tuple
 
-from actorq_jax.config import actor_position, check, check_ints, check_layers, check_non_negative, check_positive, documented
+from actorq_jax.config import (
+    actor_position,
+    check,
+    check_ints,
+    check_layers,
+    check_non_negative,
+    check_positive,
+    check_replay,
+    documented,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,6 +33,9 @@ class DQNConfig:
     priority_exponent: float = documented(0.6, "alpha: items are sampled with probability priority^alpha / sum")
     importance_sampling_exponent: float = documented(0.2, "beta: IS weights (N * P)^-beta correct the prioritized sampling")
     samples_per_insert: float = documented(8.0, "replay ratio (sampled items per inserted item) enforced by Reverb")
+    rate_limiter: str = documented(
+        "ratio", "ratio: actors and learner held to samples_per_insert; min_size: actors run free (the paper's actorQ)")
+    max_times_sampled: int = documented(0, "with rate_limiter min_size: an item is removed after this many samples")
     min_replay_size: int = documented(1000, "transitions before learning starts")
     max_replay_size: int = documented(100_000, "FIFO capacity of the replay table")
     # Exploration: actor i of N uses epsilon ** (1 + epsilon_alpha * i / (N - 1)) (Ape-X); one actor uses epsilon.
@@ -32,12 +44,11 @@ class DQNConfig:
 
     def __post_init__(self) -> None:
         check_layers(self, ("q_layers",))
-        check_ints(self, ("n_step", "batch_size", "target_update_period", "min_replay_size", "max_replay_size"))
-        check(self.min_replay_size <= self.max_replay_size, self, "min_replay_size",
-              f"must be <= max_replay_size ({self.max_replay_size})")
+        check_ints(self, ("n_step", "target_update_period"))
+        check_replay(self)
         check(0.0 < self.discount <= 1.0, self, "discount", "must be in (0, 1]")
         check(0.0 <= self.epsilon <= 1.0, self, "epsilon", "must be in [0, 1]")
-        check_positive(self, ("learning_rate", "max_grad_norm", "samples_per_insert"))
+        check_positive(self, ("learning_rate", "max_grad_norm"))
         check_non_negative(self, ("huber_delta", "priority_exponent", "importance_sampling_exponent", "epsilon_alpha"))
 
     def actor_epsilon(self, actor_id: int, num_actors: int) -> float:

@@ -1,0 +1,93 @@
+"""Replay regimes: the ratio limiter holds actors to the learner; min_size lets them run free (N samples an item)."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import reverb
+
+from actorq_jax.agents.d4pg.config import D4PGConfig
+from actorq_jax.agents.dqn.config import DQNConfig
+from actorq_jax.agents.registry import get_agent
+from actorq_jax.environments import EnvironmentSpec
+from actorq_jax.replay import ReplayServer, make_replay_table
+
+OBS_DIM = 3
+
+
+def _d4pg_builder(**overrides):
+    config = dataclasses.replace(D4PGConfig(policy_layers=(8,), critic_layers=(8,), min_replay_size=5), **overrides)
+    spec = EnvironmentSpec(observation_dim=OBS_DIM, discrete=False, action_dim=1, num_actions=None,
+                           action_minimum=np.full(1, -1.0, np.float32), action_maximum=np.full(1, 1.0, np.float32))
+    return get_agent("d4pg").make_builder(config, spec)
+
+
+def _insert(client: reverb.Client, count: int, start: int = 0) -> None:
+    """Inserts `count` transitions whose observation[0] is their index, with a bound on each write."""
+    with client.trajectory_writer(num_keep_alive_refs=1) as writer:
+        for i in range(start, start + count):
+            writer.append({
+                "observation": np.full(OBS_DIM, i, np.float32), "action": np.zeros(1, np.float32),
+                "reward": np.float32(0.0), "discount": np.float32(1.0),
+                "next_observation": np.full(OBS_DIM, i + 1, np.float32),
+            })
+            writer.create_item("replay", 1.0, {k: col[-1] for k, col in writer.history.items()})
+            # A ratio limiter that refuses inserts makes this raise instead of blocking the test.
+            writer.flush(block_until_num_items=0, timeout_ms=2000)
+
+
+@pytest.mark.timeout(120)
+def test_min_size_regime_lets_actors_insert_while_the_learner_is_stopped():
+    builder = _d4pg_builder(rate_limiter="min_size", max_times_sampled=2)
+    table = builder.replay_config()
+    assert table.samples_per_insert is None and table.max_times_sampled == 2
+    example = np.zeros(OBS_DIM, np.float32)
+    with ReplayServer([make_replay_table(table, example, builder.example_action())]) as server:
+        client = server.client()
+        _insert(client, 200)  # far beyond what any samples-per-insert ratio would allow without sampling
+        assert client.server_info(timeout=5)["replay"].current_size == 200
+
+
+@pytest.mark.timeout(120)
+def test_ratio_regime_holds_actors_back_while_the_learner_is_stopped():
+    builder = _d4pg_builder(rate_limiter="ratio", samples_per_insert=4.0)
+    example = np.zeros(OBS_DIM, np.float32)
+    with ReplayServer([make_replay_table(builder.replay_config(), example, builder.example_action())]) as server:
+        with pytest.raises(reverb.DeadlineExceededError):
+            _insert(server.client(), 200)
+
+
+@pytest.mark.timeout(120)
+def test_min_size_regime_removes_an_item_after_max_times_sampled_samples():
+    builder = _d4pg_builder(rate_limiter="min_size", max_times_sampled=3, min_replay_size=1)
+    example = np.zeros(OBS_DIM, np.float32)
+    with ReplayServer([make_replay_table(builder.replay_config(), example, builder.example_action())]) as server:
+        client = server.client()
+        _insert(client, 1)
+        seen = [int(next(client.sample("replay", num_samples=1, emit_timesteps=False)).data[0][0])
+                for _ in range(3)]
+        assert seen == [0, 0, 0]
+        assert client.server_info(timeout=5)["replay"].current_size == 0  # gone after its third sample
+
+
+@pytest.mark.parametrize(
+    "config_class, overrides, field",
+    [
+        (D4PGConfig, {"rate_limiter": "min_size"}, "max_times_sampled"),  # free actors need a cap
+        (DQNConfig, {"rate_limiter": "min_size", "max_times_sampled": 0}, "max_times_sampled"),
+        (DQNConfig, {"max_times_sampled": 4}, "max_times_sampled"),  # the cap belongs to min_size
+        (D4PGConfig, {"rate_limiter": "fifo"}, "rate_limiter"),
+        (DQNConfig, {"rate_limiter": "min_size", "max_times_sampled": -1}, "max_times_sampled"),
+    ],
+)
+def test_bad_regime_combinations_name_the_field(config_class, overrides, field):
+    with pytest.raises(ValueError, match=f"{config_class.__name__}.{field}"):
+        config_class(**overrides)
+
+
+def test_both_agents_build_the_paper_regime():
+    assert DQNConfig(rate_limiter="min_size", max_times_sampled=8).max_times_sampled == 8
+    table = _d4pg_builder(rate_limiter="min_size", max_times_sampled=8).replay_config()
+    assert (table.samples_per_insert, table.max_times_sampled) == (None, 8)
+    default = _d4pg_builder().replay_config()
+    assert (default.samples_per_insert, default.max_times_sampled) == (32.0, 0)
