@@ -7,6 +7,7 @@ from typing import Any, List, Optional, Tuple
 
 from actorq_jax.agents.registry import get_agent
 from actorq_jax.config import documented
+from actorq_jax.launch.runtime import parse_cpu_list
 from actorq_jax.quantization.config import GRANULARITIES, INT_BITS, VALID_BITS
 
 BACKENDS = ("auto", "fp32", "fakequant", "int8")
@@ -45,6 +46,8 @@ class RunConfig:
     country: str = documented("USA", "ISO 3166 alpha-3 code for codecarbon's carbon intensity")
     actor_threads: int = documented(1, "XLA/intra-op threads per actor process")
     learner_threads: int = documented(0, "XLA threads of the learner (0: every core)")
+    learner_cpus: str = documented("", "cores the learner is pinned to, e.g. 0 or 0-1 (default: every core)")
+    actor_cpus: str = documented("", "cores actors and the evaluator are pinned to, e.g. 1 or 2,3 (default: every core)")
     max_actor_restarts: int = documented(3, "restarts per actor slot before the run goes on without it")
     max_learner_restarts: int = documented(
         2, "times the launcher restarts a dead learner from its last checkpoint (replay included) before stopping the run")
@@ -91,6 +94,13 @@ def run_config_problems(run: Any) -> List[Tuple[str, str]]:
     for name in ("learner_threads", "max_actor_restarts", "max_learner_restarts"):
         if getattr(run, name) < 0:
             problems.append((name, f"must be >= 0, got {getattr(run, name)}"))
+    for name in ("learner_cpus", "actor_cpus"):
+        # Only the syntax here: a remote actor reads this config on a machine with other cores.
+        try:
+            if getattr(run, name):
+                parse_cpu_list(getattr(run, name))
+        except ValueError as error:
+            problems.append((name, str(error)))
     if not run.server_timeout_s > 0:
         problems.append(("server_timeout_s", f"must be > 0, got {run.server_timeout_s}"))
     if not 0 <= run.port < 65536:

@@ -15,6 +15,7 @@ from typing import Any, Optional, Sequence, Tuple
 from actorq_jax.agents.registry import get_agent
 from actorq_jax.config import add_config_flags, flag_fields
 from actorq_jax.launch.config import BUDGETS, RunConfig, config_from_json, run_config_problems
+from actorq_jax.launch.runtime import cpu_list_problem
 
 # RunConfig fields the parser handles itself rather than as plain flags.
 _SPECIAL_RUN_FIELDS = ("agent", "resume")
@@ -48,6 +49,10 @@ def parse_run(agent: str, argv: Optional[Sequence[str]], description: Optional[s
     probe = argparse.Namespace(**values)
     for flag, message in run_config_problems(probe):
         parser.error(f"--{flag}: {message}")
+    for name in ("learner_cpus", "actor_cpus"):
+        problem = cpu_list_problem(values[name])
+        if problem:
+            parser.error(f"--{name}: {problem}")
     from actorq_jax.environments import available_tasks
 
     tasks = available_tasks()

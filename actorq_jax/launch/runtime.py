@@ -5,7 +5,7 @@ import os
 import signal
 import threading
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Optional, Tuple
 
 # Tables on the learner's Reverb server besides the replay table.
 VARIABLES_TABLE = "variables"  # the actors' policy at comm_bits, refreshed every publish_period
@@ -34,6 +34,47 @@ def apply_thread_env(threads: int) -> None:
         if key == "XLA_FLAGS" and os.environ.get("XLA_FLAGS"):
             value = os.environ["XLA_FLAGS"] + " " + value
         os.environ[key] = value
+
+
+def parse_cpu_list(text: str) -> Tuple[int, ...]:
+    """Parses a core list such as '0', '1,3' or '0-2,5' (sorted, no repeats); ValueError naming it if malformed."""
+    cores = set()
+    for part in str(text).split(","):
+        part = part.strip()
+        low, sep, high = part.partition("-")
+        if not low.isdigit() or (sep and not high.isdigit()) or (sep and int(high) < int(low)):
+            raise ValueError(f"malformed core list {text!r}: expected cores like 0 or 1,3 or 0-2")
+        cores.update(range(int(low), int(high if sep else low) + 1))
+    return tuple(sorted(cores))
+
+
+def cpu_list_problem(text: str) -> Optional[str]:
+    """Why a core list cannot be used on this machine (None when it can)."""
+    if not text:
+        return None
+    try:
+        cores = parse_cpu_list(text)
+    except ValueError as error:
+        return str(error)
+    available = sorted(os.sched_getaffinity(0))
+    absent = [c for c in cores if c not in available]
+    if absent:
+        return f"core(s) {absent} are not available to this process; available: {available}"
+    return None
+
+
+def role_cpus(role: str, run: Any) -> Tuple[int, ...]:
+    """The cores a role is pinned to: --learner_cpus for the learner, --actor_cpus for actors and the evaluator."""
+    text = run.learner_cpus if role == "learner" else run.actor_cpus
+    return parse_cpu_list(text) if text else ()
+
+
+def apply_cpu_affinity(role: str, run: Any) -> Tuple[int, ...]:
+    """Pins this process to its role's cores (nothing when the run gives none); returns the cores."""
+    cores = role_cpus(role, run)
+    if cores:
+        os.sched_setaffinity(0, cores)
+    return cores
 
 
 def install_stop_handlers() -> threading.Event:

@@ -1,0 +1,58 @@
+"""CPU placement: --learner_cpus / --actor_cpus parse, are checked against this machine, and pin a worker."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from actorq_jax.launch.config import RunConfig
+from actorq_jax.launch.flags import parse_run
+from actorq_jax.launch.runtime import cpu_list_problem, parse_cpu_list, role_cpus
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("text, cores", [("0", (0,)), ("1,0", (0, 1)), ("0-2,5", (0, 1, 2, 5)), (" 3 ", (3,))])
+def test_core_lists_parse(text, cores):
+    assert parse_cpu_list(text) == cores
+
+
+@pytest.mark.parametrize("text", ["", "a", "1-", "3-1", "1,,2", "-1"])
+def test_malformed_core_lists_are_rejected(text):
+    with pytest.raises(ValueError, match="malformed core list"):
+        parse_cpu_list(text)
+
+
+def test_cores_this_process_cannot_use_are_named():
+    absent = max(os.sched_getaffinity(0)) + 1
+    assert str(absent) in cpu_list_problem(str(absent))
+    assert cpu_list_problem(str(min(os.sched_getaffinity(0)))) is None
+
+
+@pytest.mark.parametrize("flag", ["--learner_cpus", "--actor_cpus"])
+def test_bad_core_flags_exit_2_naming_the_flag(flag, tmp_path, capsys):
+    for value in ("x", str(max(os.sched_getaffinity(0)) + 1)):
+        with pytest.raises(SystemExit) as exit_info:
+            parse_run("d4pg", [flag, value, "--results_dir", str(tmp_path / "r")])
+        assert exit_info.value.code == 2
+        assert flag in capsys.readouterr().err
+
+
+def test_roles_get_their_cores():
+    first = min(os.sched_getaffinity(0))
+    run = RunConfig(task="cartpole_balance", results_dir="r", learner_cpus=str(first), actor_cpus="")
+    assert role_cpus("learner", run) == (first,)
+    assert role_cpus("actor", run) == () and role_cpus("evaluator", run) == ()
+
+
+@pytest.mark.timeout(60)
+def test_a_pinned_process_runs_only_on_its_cores():
+    first = min(os.sched_getaffinity(0))
+    code = ("import os; from actorq_jax.launch.config import RunConfig; from actorq_jax.launch import runtime; "
+            f"run = RunConfig(task='t', results_dir='r', actor_cpus='{first}'); "
+            "runtime.apply_cpu_affinity('actor', run); print(sorted(os.sched_getaffinity(0)))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=50)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"[{first}]"
