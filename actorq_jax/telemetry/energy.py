@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Dict, FrozenSet, Optional, Union
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 PathLike = Union[str, "os.PathLike[str]"]
 _TRACKING_MODES = ("machine", "process")
@@ -116,7 +116,7 @@ class EnergyTracker:
 
     def _fail(self, where: str, error: BaseException) -> None:
         self._failed = f"{type(error).__name__}: {error}"
-        logger.warning(
+        log.warning(
             "codecarbon failed in %s (%s); energy and emissions will be reported as NaN",
             where,
             self._failed,
