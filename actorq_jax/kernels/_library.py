@@ -19,13 +19,23 @@ TARGET_W8A32 = "actorq_int8_dense_w8a32"
 TARGET_W8A8 = "actorq_int8_dense_w8a8"
 TARGET_W4A8 = "actorq_int8_dense_w4a8"
 TARGET_LAYER_NORM = "actorq_layer_norm"
+TARGET_MLP = "actorq_mlp"
+
+# FFI target name -> the handler symbol int8_dense.cc exports for it.
+_TARGET_SYMBOLS = {
+    TARGET_W8A32: "ActorqInt8DenseW8A32",
+    TARGET_W8A8: "ActorqInt8DenseW8A8",
+    TARGET_W4A8: "ActorqInt8DenseW4A8",
+    TARGET_LAYER_NORM: "ActorqLayerNorm",
+    TARGET_MLP: "ActorqMlp",
+}
 
 # Path names <-> the integer codes the C++ handlers take as the "path" attribute.
 PATH_CODES = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3}
 PATH_NAMES = {code: name for name, code in PATH_CODES.items()}
 
 # The handlers' signature version this Python code speaks (kAbiVersion in int8_dense.cc).
-ABI_VERSION = 6
+ABI_VERSION = 7
 
 
 class _State:
@@ -77,10 +87,8 @@ def _load() -> _State:
                              f"this code needs {ABI_VERSION} (rebuild: python -m actorq_jax.kernels.build)")
         from jax.extend import ffi as jffi
 
-        jffi.register_ffi_target(TARGET_W8A32, jffi.pycapsule(lib.ActorqInt8DenseW8A32), platform="cpu")
-        jffi.register_ffi_target(TARGET_W8A8, jffi.pycapsule(lib.ActorqInt8DenseW8A8), platform="cpu")
-        jffi.register_ffi_target(TARGET_W4A8, jffi.pycapsule(lib.ActorqInt8DenseW4A8), platform="cpu")
-        jffi.register_ffi_target(TARGET_LAYER_NORM, jffi.pycapsule(lib.ActorqLayerNorm), platform="cpu")
+        for target, symbol in _TARGET_SYMBOLS.items():
+            jffi.register_ffi_target(target, jffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     except (OSError, AttributeError, RuntimeError, TypeError, ValueError) as exc:
         state.reason = f"cannot load {path}: {exc}"
         return state

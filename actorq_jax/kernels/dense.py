@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +29,9 @@ PATHS = ("auto", "scalar", "avx2", "avx512", "reference")
 # Activations the kernel fuses into its epilogue, and the jnp function each one matches.
 ACTIVATIONS = {"relu": jax.nn.relu, "elu": jax.nn.elu, "tanh": jnp.tanh}
 _ACTIVATION_CODES = {None: 0, "relu": 1, "elu": 2, "tanh": 3}
+_DENSE_TARGETS = {"w8a32": _library.TARGET_W8A32, "w8a8": _library.TARGET_W8A8, "w4a8": _library.TARGET_W4A8}
+# The fused MLP call's op codes (enum Op in int8_dense.cc).
+_OP_CODES = {"w8a32": 0, "w8a8": 1, "w4a8": 2, "layer_norm": 3}
 
 
 @struct.dataclass
@@ -228,6 +231,11 @@ def _check_activation(activation: Optional[str]) -> None:
         raise ValueError(f"activation must be None or one of {sorted(ACTIVATIONS)}, got {activation!r}")
 
 
+def _activation_code(activation: Optional[str]) -> int:
+    _check_activation(activation)
+    return _ACTIVATION_CODES[activation]
+
+
 _warned_fallback = False
 
 
@@ -250,36 +258,77 @@ def _default_path() -> str:
     return path
 
 
+def _kernel_path(path: Optional[str]) -> Optional[int]:
+    """The kernel's code for ``path`` (None: $ACTORQ_KERNEL_PATH or auto), or None where the jnp reference runs."""
+    path = _default_path() if path is None else path
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    if path == "reference":
+        return None
+    state = _library.state()
+    if state.lib is None:
+        _warn_fallback_once(state.reason)
+        return None
+    if not _library.path_supported(path):
+        raise ValueError(f"kernel path {path!r} is not supported by this CPU (best: {_library.best_path()})")
+    return _library.PATH_CODES[path]
+
+
+def _call_kernel(target: str, x: jnp.ndarray, width: int, operands: list, **attrs: Any) -> jnp.ndarray:
+    """One FFI call of ``target`` on x [..., K] (leading axes flattened) -> float32 [..., width]."""
+    from jax.extend import ffi as jffi
+
+    lead = tuple(x.shape[:-1])
+    M = math.prod(lead)
+    if M == 0:
+        return jnp.zeros(lead + (width,), jnp.float32)
+    y = jffi.ffi_call(target, jax.ShapeDtypeStruct((M, width), jnp.float32), x.reshape(M, x.shape[-1]),
+                      *operands, **attrs)
+    return y.reshape(lead + (width,))
+
+
 def _check(x: Any, w: Any, bias: Any) -> tuple:
     """Validates int8_dense's inputs; returns (x, bias) with bias materialised as float32 (N,)."""
-    if not isinstance(w, Int8DenseWeight):
-        raise ValueError(f"w must be an Int8DenseWeight (see pack_dense), got {type(w).__name__}")
-    if w.mode not in MODES:
-        raise ValueError(f"Int8DenseWeight.mode must be one of {MODES}, got {w.mode!r}")
-    K, N = w.in_features, w.out_features
-    x_dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+    bias = _check_weight(w, bias)
+    return _check_x(x, w.in_features, "in_features"), bias
+
+
+def _check_x(x: Any, K: int, what: str) -> jnp.ndarray:
+    """x as a float32 jnp array of shape [..., K]; a ValueError naming the bad dtype or shape otherwise."""
+    x_dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype  # before jnp silently casts float64
     if x_dtype != jnp.float32:
         raise ValueError(f"x must be float32, got dtype {x_dtype}")
     x = jnp.asarray(x)
     if x.ndim < 1 or x.shape[-1] != K:
-        raise ValueError(f"x must have shape [..., {K}] (in_features), got {tuple(x.shape)}")
+        raise ValueError(f"x must have shape [..., {K}] ({what}), got {tuple(x.shape)}")
+    return x
+
+
+def _check_weight(w: Any, bias: Any) -> jnp.ndarray:
+    """Validates packed weights and their bias; returns the bias materialised as float32 (N,)."""
+    if not isinstance(w, Int8DenseWeight):
+        raise ValueError(f"w must be an Int8DenseWeight (see pack_dense), got {type(w).__name__}")
+    if w.mode not in MODES:
+        raise ValueError(f"Int8DenseWeight.mode must be one of {MODES}, got {w.mode!r}")
+    N = w.out_features
     packed = w.packed
     if jnp.result_type(packed) != jnp.int8 or tuple(np.shape(packed)) != w.packed_shape:
         raise ValueError(
             f"packed weights must be int8 of shape {w.packed_shape}, got {jnp.result_type(packed)} {tuple(np.shape(packed))}"
         )
-    if jnp.result_type(w.scale) != jnp.float32 or tuple(np.shape(w.scale)) != (N,):
-        raise ValueError(f"scale must be float32 of shape ({N},), got {jnp.result_type(w.scale)} {np.shape(w.scale)}")
+    _check_vector("scale", w.scale, N)
     if tuple(np.shape(w.colsum)) != (w.panels * PANEL,) or jnp.result_type(w.colsum) != jnp.int32:
         raise ValueError(f"colsum must be int32 of shape ({w.panels * PANEL},), got {np.shape(w.colsum)}")
     if bias is None:
-        bias = jnp.zeros((N,), jnp.float32)
-    else:
-        b_dtype = bias.dtype if hasattr(bias, "dtype") else np.asarray(bias).dtype
-        if b_dtype != jnp.float32 or tuple(np.shape(bias)) != (N,):
-            raise ValueError(f"bias must be float32 of shape ({N},), got {b_dtype} {tuple(np.shape(bias))}")
-        bias = jnp.asarray(bias)
-    return x, bias
+        return jnp.zeros((N,), jnp.float32)
+    _check_vector("bias", bias, N)
+    return jnp.asarray(bias)
+
+
+def _check_vector(name: str, v: Any, N: int) -> None:
+    dtype = v.dtype if hasattr(v, "dtype") else np.asarray(v).dtype
+    if dtype != jnp.float32 or tuple(np.shape(v)) != (N,):
+        raise ValueError(f"{name} must be float32 of shape ({N},), got {dtype} {tuple(np.shape(v))}")
 
 
 def int8_dense(
@@ -296,34 +345,14 @@ def int8_dense(
     jnp "reference"; default $ACTORQ_KERNEL_PATH or "auto" (the fastest this CPU has).
     ``activation`` ("relu", "elu", "tanh" or None) is fused into the kernel's epilogue.
     """
-    path = _default_path() if path is None else path
-    if path not in PATHS:
-        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     x, bias = _check(x, w, bias)
     _check_activation(activation)
-    if path == "reference":
+    kernel_path = _kernel_path(path)
+    if kernel_path is None:
         return reference_int8_dense(x, w, bias, activation)
-    state = _library.state()
-    if state.lib is None:
-        _warn_fallback_once(state.reason)
-        return reference_int8_dense(x, w, bias, activation)
-    if not _library.path_supported(path):
-        raise ValueError(f"kernel path {path!r} is not supported by this CPU (best: {_library.best_path()})")
-    K, N = w.in_features, w.out_features
-    lead = tuple(x.shape[:-1])
-    M = math.prod(lead)
-    if M == 0:
-        return jnp.zeros(lead + (N,), jnp.float32)
-    from jax.extend import ffi as jffi
-
-    out = jax.ShapeDtypeStruct((M, N), jnp.float32)
-    args = [x.reshape(M, K), w.packed, w.scale, bias]
-    if w.mode == "w8a8":
-        args.append(w.colsum)
-    target = {"w8a32": _library.TARGET_W8A32, "w8a8": _library.TARGET_W8A8, "w4a8": _library.TARGET_W4A8}[w.mode]
-    y = jffi.ffi_call(target, out, *args, out_features=int(N), path=_library.PATH_CODES[path],
-                      activation=_ACTIVATION_CODES[activation])
-    return y.reshape(lead + (N,))
+    return _call_kernel(_DENSE_TARGETS[w.mode], x, w.out_features, [w.packed, w.scale, bias, w.colsum],
+                        out_features=int(w.out_features), path=kernel_path,
+                        activation=_ACTIVATION_CODES[activation])
 
 
 def reference_layer_norm(
@@ -337,6 +366,13 @@ def reference_layer_norm(
     return y if activation is None else ACTIVATIONS[activation](y)
 
 
+def _check_layer_norm(scale: Any, bias: Any, epsilon: float, N: int) -> None:
+    _check_vector("scale", scale, N)
+    _check_vector("bias", bias, N)
+    if not epsilon >= 0:
+        raise ValueError(f"epsilon must be >= 0, got {epsilon!r}")
+
+
 def layer_norm(
     x: jnp.ndarray,
     scale: jnp.ndarray,
@@ -347,38 +383,80 @@ def layer_norm(
     path: Optional[str] = None,
 ) -> jnp.ndarray:
     """``act(LayerNorm(x) * scale + bias)`` over the last axis as one CPU kernel call (jit-compatible)."""
-    path = _default_path() if path is None else path
-    if path not in PATHS:
-        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     _check_activation(activation)
     x_dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype  # before jnp silently casts float64
     if x_dtype != jnp.float32 or np.ndim(x) < 1 or np.shape(x)[-1] < 1:
         raise ValueError(f"x must be float32 of shape [..., N >= 1], got {x_dtype} {tuple(np.shape(x))}")
     x = jnp.asarray(x)
     N = x.shape[-1]
-    for name, v in (("scale", scale), ("bias", bias)):
-        if jnp.result_type(v) != jnp.float32 or tuple(np.shape(v)) != (N,):
-            raise ValueError(f"{name} must be float32 of shape ({N},), got {jnp.result_type(v)} {tuple(np.shape(v))}")
-    if not epsilon >= 0:
-        raise ValueError(f"epsilon must be >= 0, got {epsilon!r}")
-    if path == "reference":
+    _check_layer_norm(scale, bias, epsilon, N)
+    kernel_path = _kernel_path(path)
+    if kernel_path is None:
         return reference_layer_norm(x, scale, bias, epsilon, activation)
-    state = _library.state()
-    if state.lib is None:
-        _warn_fallback_once(state.reason)
-        return reference_layer_norm(x, scale, bias, epsilon, activation)
-    if not _library.path_supported(path):
-        raise ValueError(f"kernel path {path!r} is not supported by this CPU (best: {_library.best_path()})")
-    lead = tuple(x.shape[:-1])
-    M = math.prod(lead)
-    if M == 0:
-        return jnp.zeros(x.shape, jnp.float32)
-    from jax.extend import ffi as jffi
+    return _call_kernel(_library.TARGET_LAYER_NORM, x, N, [jnp.asarray(scale), jnp.asarray(bias)],
+                        epsilon=np.float32(epsilon), activation=_ACTIVATION_CODES[activation], path=kernel_path)
 
-    y = jffi.ffi_call(_library.TARGET_LAYER_NORM, jax.ShapeDtypeStruct((M, N), jnp.float32),
-                      x.reshape(M, N), jnp.asarray(scale), jnp.asarray(bias), epsilon=np.float32(epsilon),
-                      activation=_ACTIVATION_CODES[activation], path=_library.PATH_CODES[path])
-    return y.reshape(x.shape)
+
+@struct.dataclass
+class MlpDense:
+    """One dense layer of an int8_mlp: act(x @ weight + bias) (a pytree node; the activation is static)."""
+
+    weight: Int8DenseWeight
+    bias: Optional[jnp.ndarray] = None
+    activation: Optional[str] = struct.field(pytree_node=False, default=None)
+
+
+@struct.dataclass
+class MlpLayerNorm:
+    """One layer norm of an int8_mlp: act(LayerNorm(x) * scale + bias) (epsilon and activation are static)."""
+
+    scale: jnp.ndarray
+    bias: jnp.ndarray
+    epsilon: float = struct.field(pytree_node=False, default=1e-6)
+    activation: Optional[str] = struct.field(pytree_node=False, default=None)
+
+
+def int8_mlp(x: jnp.ndarray, layers: Sequence[Any], *, path: Optional[str] = None) -> jnp.ndarray:
+    """A stack of MlpDense and MlpLayerNorm layers as one CPU kernel call (jit-compatible).
+
+    Equal bit for bit to calling int8_dense and layer_norm layer by layer on the
+    same path; falls back to those calls' jnp reference as they do.
+    """
+    if not layers:
+        raise ValueError("int8_mlp needs at least one layer, got none")
+    operands, program, epsilons = [], [], []
+    width = None
+    for i, layer in enumerate(layers):
+        if isinstance(layer, MlpDense):
+            bias = _check_weight(layer.weight, layer.bias)
+            if width is not None and layer.weight.in_features != width:
+                raise ValueError(f"layer {i} takes {layer.weight.in_features} inputs, the layer before gives {width}")
+            operands += [layer.weight.packed, layer.weight.scale, bias, layer.weight.colsum]
+            program += [_OP_CODES[layer.weight.mode], layer.weight.out_features, _activation_code(layer.activation)]
+            width = layer.weight.out_features
+        elif isinstance(layer, MlpLayerNorm):
+            if width is None:
+                width = int(np.shape(layer.scale)[0]) if np.ndim(layer.scale) == 1 else -1
+            _check_layer_norm(layer.scale, layer.bias, layer.epsilon, width)
+            operands += [jnp.asarray(layer.scale), jnp.asarray(layer.bias)]
+            program += [_OP_CODES["layer_norm"], width, _activation_code(layer.activation)]
+            epsilons.append(layer.epsilon)
+        else:
+            raise ValueError(f"layer {i} must be an MlpDense or MlpLayerNorm, got {type(layer).__name__}")
+    first = layers[0]
+    x = _check_x(x, first.weight.in_features if isinstance(first, MlpDense) else int(np.shape(first.scale)[0]),
+                 "the first layer's inputs")
+    kernel_path = _kernel_path(path)
+    if kernel_path is None:
+        for layer in layers:
+            if isinstance(layer, MlpDense):
+                x = reference_int8_dense(x, layer.weight, layer.bias, layer.activation)
+            else:
+                x = reference_layer_norm(x, layer.scale, layer.bias, layer.epsilon, layer.activation)
+        return x
+    # One epsilon more than needed: an empty array attribute is not a valid dense array.
+    return _call_kernel(_library.TARGET_MLP, x, width, operands, program=np.asarray(program, np.int64),
+                        epsilons=np.asarray(epsilons + [0.0], np.float32), path=kernel_path)
 
 
 def pack_params(qparams: Any, mode: str = "w8a32") -> Any:

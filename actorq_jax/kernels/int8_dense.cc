@@ -51,7 +51,7 @@ enum Path : int64_t { kAuto = 0, kScalar = 1, kAvx2 = 2, kAvx512 = 3 };
 enum Activation : int64_t { kNone = 0, kRelu = 1, kElu = 2, kTanh = 3 };
 
 // Bumped whenever the handlers' attributes change, so Python can refuse a stale library.
-constexpr int64_t kAbiVersion = 6;
+constexpr int64_t kAbiVersion = 7;
 
 #if ACTORQ_X86
 bool CpuHasAvx2() {
@@ -1063,169 +1063,263 @@ __attribute__((target("avx2,fma"))) void LayerNormRowAvx2(const float* x, const 
 #endif
 
 // ---------------------------------------------------------------------------
-// FFI entry points.
+// FFI entry points. The per-layer handlers and the fused MLP handler check
+// their operands the same way and then run the same cores (RunDense,
+// RunLayerNorm), so a fused forward equals the per-layer one bit for bit.
 
-ffi::Error CheckCommon(const Geometry& g, int64_t path, int64_t n_attr, size_t scale_len,
-                       size_t bias_len) {
-  if (g.act < kNone || g.act > kTanh)
-    return ffi::Error::InvalidArgument("actorq int8_dense: activation " + std::to_string(g.act) +
-                                       " is unknown");
+enum Op : int64_t { kOpW8A32 = 0, kOpW8A8 = 1, kOpW4A8 = 2, kOpLayerNorm = 3 };
+
+const char* OpName(int64_t op) {
+  switch (op) {
+    case kOpW8A32: return "actorq int8_dense w8a32";
+    case kOpW8A8: return "actorq int8_dense w8a8";
+    case kOpW4A8: return "actorq int8_dense w4a8";
+    default: return "actorq layer_norm";
+  }
+}
+
+ffi::Error Invalid(int64_t op, const std::string& what) {
+  return ffi::Error::InvalidArgument(std::string(OpName(op)) + ": " + what);
+}
+
+ffi::Error CheckPathAndActivation(int64_t op, int64_t path, int64_t act) {
+  if (act < kNone || act > kTanh) return Invalid(op, "activation " + std::to_string(act) + " is unknown");
   if (!PathSupported(path))
-    return ffi::Error::InvalidArgument("actorq int8_dense: path " + std::to_string(path) +
-                                       " is unknown or not supported by this CPU");
-  if (n_attr != g.N || static_cast<int64_t>(scale_len) != g.N ||
-      static_cast<int64_t>(bias_len) != g.N)
-    return ffi::Error::InvalidArgument("actorq int8_dense: scale/bias length != out_features");
+    return Invalid(op, "path " + std::to_string(path) + " is unknown or not supported by this CPU");
   return ffi::Error::Success();
 }
 
 int64_t Resolve(int64_t path) { return path == kAuto ? BestPath() : path; }
 
-ffi::Error W8A32Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scale,
-                     ffi::Buffer<ffi::F32> bias, ffi::Result<ffi::Buffer<ffi::F32>> y,
-                     int64_t n_attr, int64_t path, int64_t act) {
-  const auto xd = x.dimensions();
-  const auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || wd[0] != xd[1] || wd[1] != n_attr || n_attr < 1)
-    return ffi::Error::InvalidArgument("actorq int8_dense w8a32: expected x [M, K], w [K, N]");
-  Geometry g{xd[0], xd[1], n_attr, (n_attr + kPanel - 1) / kPanel, act};
-  if (ffi::Error e = CheckCommon(g, path, n_attr, scale.element_count(), bias.element_count());
-      e.failure())
-    return e;
-  const float* xp = x.typed_data();
-  const int8_t* wp = w.typed_data();
-  const float* sp = scale.typed_data();
-  const float* bp = bias.typed_data();
-  float* yp = y->typed_data();
-  const int64_t p = Resolve(path);
-  ForPanels(g.P, g.M * g.K * g.N, [&](int64_t p0, int64_t p1) {
-#if ACTORQ_X86
-    if (p == kAvx512) return W8A32Avx512(g, xp, wp, sp, bp, yp, p0, p1);
-    if (p == kAvx2) return W8A32Avx2(g, xp, wp, sp, bp, yp, p0, p1);
-#endif
-    W8A32Scalar(g, xp, wp, sp, bp, yp, p0, p1);
-  });
-  return ffi::Error::Success();
+// One dense layer's operands (already checked): packed weights and per-column parameters.
+struct DenseOperands {
+  int64_t op;  // kOpW8A32, kOpW8A8 or kOpW4A8
+  const int8_t* w;
+  const float* scale;
+  const float* bias;
+  const int32_t* colsum;
+};
+
+// The shape the packed weights of a dense layer with K inputs and N outputs must have.
+void PackedShape(int64_t op, int64_t K, int64_t N, int64_t* rows, int64_t* cols) {
+  if (op == kOpW4A8) {
+    *rows = (K + 7) / 8 * 4;
+    *cols = (N + kPanel - 1) / kPanel * kPanel;
+  } else {
+    *rows = K;
+    *cols = N;
+  }
 }
 
-ffi::Error LayerNormImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> bias,
-                         ffi::Result<ffi::Buffer<ffi::F32>> y, float eps, int64_t act, int64_t path) {
-  const auto xd = x.dimensions();
-  if (xd.size() != 2 || xd[1] < 1)
-    return ffi::Error::InvalidArgument("actorq layer_norm: expected x [M, N] with N >= 1");
-  const int64_t M = xd[0], N = xd[1];
-  if (static_cast<int64_t>(scale.element_count()) != N || static_cast<int64_t>(bias.element_count()) != N)
-    return ffi::Error::InvalidArgument("actorq layer_norm: scale/bias length != N");
-  if (!PathSupported(path))
-    return ffi::Error::InvalidArgument("actorq layer_norm: path " + std::to_string(path) +
-                                       " is unknown or not supported by this CPU");
-  if (act < kNone || act > kTanh)
-    return ffi::Error::InvalidArgument("actorq layer_norm: activation " + std::to_string(act) + " is unknown");
-  if (!(eps >= 0.f)) return ffi::Error::InvalidArgument("actorq layer_norm: epsilon must be >= 0");
-  const int64_t p = Resolve(path);
+ffi::Error CheckDense(int64_t op, int64_t K, int64_t N, ffi::Span<const int64_t> wd, size_t scale_len,
+                      size_t bias_len, size_t colsum_len, int64_t path, int64_t act) {
+  if (N < 1 || K < 1) return Invalid(op, "expected K >= 1 inputs and N >= 1 outputs");
+  int64_t rows, cols;
+  PackedShape(op, K, N, &rows, &cols);
+  if (wd.size() != 2 || wd[0] != rows || wd[1] != cols)
+    return Invalid(op, "expected packed weights of shape [" + std::to_string(rows) + ", " +
+                           std::to_string(cols) + "] for K=" + std::to_string(K) + ", N=" + std::to_string(N));
+  if (static_cast<int64_t>(scale_len) != N || static_cast<int64_t>(bias_len) != N)
+    return Invalid(op, "scale/bias length != out_features");
+  if (static_cast<int64_t>(colsum_len) != (N + kPanel - 1) / kPanel * kPanel)
+    return Invalid(op, "colsum length != 16 * panels");
+  return CheckPathAndActivation(op, path, act);
+}
+
+// y [M, N] = act(x [M, K] @ W + bias) on the resolved path `p`.
+void RunDense(const Geometry& g, int64_t p, const float* x, const DenseOperands& d, float* y) {
+  if (d.op == kOpW8A32) {
+    ForPanels(g.P, g.M * g.K * g.N, [&](int64_t p0, int64_t p1) {
+#if ACTORQ_X86
+      if (p == kAvx512) return W8A32Avx512(g, x, d.w, d.scale, d.bias, y, p0, p1);
+      if (p == kAvx2) return W8A32Avx2(g, x, d.w, d.scale, d.bias, y, p0, p1);
+#endif
+      W8A32Scalar(g, x, d.w, d.scale, d.bias, y, p0, p1);
+    });
+    return;
+  }
+  if (d.op == kOpW4A8) {
+    const int64_t K8 = (g.K + 7) / 8 * 8;
+    const float* sx;
+    const int8_t* q = QuantizeToScratch(x, g.M, g.K, K8, &sx);
+    thread_local std::vector<int32_t> qsum;
+    qsum.resize(static_cast<size_t>(g.M));
+    for (int64_t m = 0; m < g.M; ++m) {
+      int32_t total = 0;
+      for (int64_t k = 0; k < g.K; ++k) total += q[m * K8 + k];
+      qsum[m] = total;
+    }
+    const uint8_t* w = reinterpret_cast<const uint8_t*>(d.w);
+    const int32_t* qs = qsum.data();
+    ForPanels(g.P, g.M * g.K * g.N / 2, [&](int64_t p0, int64_t p1) {
+#if ACTORQ_X86
+      if (p == kAvx512) return W4A8Vnni(g, K8, q, qs, sx, w, d.scale, d.bias, y, p0, p1);
+      if (p == kAvx2) return W4A8Avx2(g, K8, q, qs, sx, w, d.scale, d.bias, y, p0, p1);
+#endif
+      W4A8Scalar(g, K8, q, qs, sx, w, d.scale, d.bias, y, p0, p1);
+    });
+    return;
+  }
+  const int64_t K4 = (g.K + 3) / 4;
+  const float* sx;
+  int8_t* q = QuantizeToScratch(x, g.M, g.K, K4 * 4, &sx);
+  if (p == kAvx512)
+    for (int64_t i = 0; i < g.M * K4 * 4; ++i) q[i] = static_cast<int8_t>(static_cast<uint8_t>(q[i]) ^ 0x80u);
+  const int8_t* qc = q;
+  ForPanels(g.P, g.M * g.K * g.N, [&](int64_t p0, int64_t p1) {
+#if ACTORQ_X86
+    if (p == kAvx512)
+      return W8A8Vnni(g, K4, reinterpret_cast<const uint8_t*>(qc), sx, d.w, d.scale, d.bias, d.colsum, y, p0, p1);
+    if (p == kAvx2) return W8A8Avx2(g, K4, qc, sx, d.w, d.scale, d.bias, y, p0, p1);
+#endif
+    W8A8Scalar(g, K4, qc, sx, d.w, d.scale, d.bias, y, p0, p1);
+  });
+}
+
+ffi::Error CheckLayerNorm(int64_t N, size_t scale_len, size_t bias_len, float eps, int64_t path, int64_t act) {
+  if (N < 1) return Invalid(kOpLayerNorm, "expected x [M, N] with N >= 1");
+  if (static_cast<int64_t>(scale_len) != N || static_cast<int64_t>(bias_len) != N)
+    return Invalid(kOpLayerNorm, "scale/bias length != N");
+  if (!(eps >= 0.f)) return Invalid(kOpLayerNorm, "epsilon must be >= 0");
+  return CheckPathAndActivation(kOpLayerNorm, path, act);
+}
+
+void RunLayerNorm(int64_t M, int64_t N, int64_t p, const float* x, const float* scale, const float* bias, float* y,
+                  float eps, int64_t act) {
   for (int64_t m = 0; m < M; ++m) {
-    const float* xr = x.typed_data() + m * N;
-    float* yr = y->typed_data() + m * N;
+    const float* xr = x + m * N;
+    float* yr = y + m * N;
 #if ACTORQ_X86
     if (p == kAvx512) {
-      LayerNormRowAvx512(xr, scale.typed_data(), bias.typed_data(), yr, N, eps, act);
+      LayerNormRowAvx512(xr, scale, bias, yr, N, eps, act);
       continue;
     }
     if (p == kAvx2) {
-      LayerNormRowAvx2(xr, scale.typed_data(), bias.typed_data(), yr, N, eps, act);
+      LayerNormRowAvx2(xr, scale, bias, yr, N, eps, act);
       continue;
     }
 #endif
     float mean, inv;
-    LayerNormRow(xr, scale.typed_data(), bias.typed_data(), yr, N, eps, act, &mean, &inv);
+    LayerNormRow(xr, scale, bias, yr, N, eps, act, &mean, &inv);
+  }
+}
+
+using F32 = ffi::Buffer<ffi::F32>;
+
+// One handler for the three dense modes: they take the same operands (W8A32 ignores colsum).
+template <int64_t kOp>
+ffi::Error DenseImpl(F32 x, ffi::Buffer<ffi::S8> w, F32 scale, F32 bias, ffi::Buffer<ffi::S32> colsum,
+                     ffi::Result<F32> y, int64_t n_attr, int64_t path, int64_t act) {
+  const auto xd = x.dimensions();
+  if (xd.size() != 2) return Invalid(kOp, "expected x [M, K]");
+  if (ffi::Error e = CheckDense(kOp, xd[1], n_attr, w.dimensions(), scale.element_count(), bias.element_count(),
+                                colsum.element_count(), path, act);
+      e.failure())
+    return e;
+  const Geometry g{xd[0], xd[1], n_attr, (n_attr + kPanel - 1) / kPanel, act};
+  const DenseOperands d{kOp, w.typed_data(), scale.typed_data(), bias.typed_data(), colsum.typed_data()};
+  RunDense(g, Resolve(path), x.typed_data(), d, y->typed_data());
+  return ffi::Error::Success();
+}
+
+ffi::Error LayerNormImpl(F32 x, F32 scale, F32 bias, ffi::Result<F32> y, float eps, int64_t act, int64_t path) {
+  const auto xd = x.dimensions();
+  if (xd.size() != 2) return Invalid(kOpLayerNorm, "expected x [M, N] with N >= 1");
+  if (ffi::Error e = CheckLayerNorm(xd[1], scale.element_count(), bias.element_count(), eps, path, act); e.failure())
+    return e;
+  RunLayerNorm(xd[0], xd[1], Resolve(path), x.typed_data(), scale.typed_data(), bias.typed_data(),
+               y->typed_data(), eps, act);
+  return ffi::Error::Success();
+}
+
+// A whole MLP forward in one call. `program` holds three integers per layer,
+// (op, out_features, activation); its operands follow x in `args`: a dense
+// layer takes 4 (packed weights, scale, bias, colsum), a layer norm 2 (scale,
+// bias) and the next of `epsilons`. Intermediate activations live in this
+// thread's scratch; the last layer writes y.
+constexpr int64_t kProgramStride = 3;
+
+struct MlpLayer {
+  int64_t op, K, N, act;
+  DenseOperands dense;
+  const float* ln_scale;
+  const float* ln_bias;
+  float eps;
+};
+
+ffi::Error MlpImpl(F32 x, ffi::RemainingArgs args, ffi::Result<F32> y, ffi::Span<const int64_t> program,
+                   ffi::Span<const float> epsilons, int64_t path) {
+  const auto xd = x.dimensions();
+  if (xd.size() != 2 || program.size() % kProgramStride != 0 || program.size() == 0)
+    return ffi::Error::InvalidArgument("actorq mlp: expected x [M, K] and 3 program entries per layer");
+  const int64_t M = xd[0];
+  std::vector<MlpLayer> layers;
+  size_t arg = 0, ln = 0;
+  int64_t K = xd[1], widest = 0;
+  for (size_t i = 0; i < program.size(); i += kProgramStride) {
+    MlpLayer L{program[i], K, program[i + 1], program[i + 2], {}, nullptr, nullptr, 0.f};
+    if (L.op < kOpW8A32 || L.op > kOpLayerNorm)
+      return ffi::Error::InvalidArgument("actorq mlp: layer op " + std::to_string(L.op) + " is unknown");
+    const size_t need = L.op == kOpLayerNorm ? 2 : 4;
+    if (arg + need > args.size()) return ffi::Error::InvalidArgument("actorq mlp: too few operands for the program");
+    auto f32 = [&](size_t j) { return args.get<F32>(arg + j); };
+    if (L.op == kOpLayerNorm) {
+      auto scale = f32(0), bias = f32(1);
+      if (!scale.has_value() || !bias.has_value() || ln >= epsilons.size())
+        return ffi::Error::InvalidArgument("actorq mlp: layer norm operands must be float32 (and one epsilon each)");
+      L.N = K;
+      L.eps = epsilons[ln++];
+      if (ffi::Error e = CheckLayerNorm(K, scale->element_count(), bias->element_count(), L.eps, path, L.act);
+          e.failure())
+        return e;
+      L.ln_scale = scale->typed_data();
+      L.ln_bias = bias->typed_data();
+    } else {
+      auto w = args.get<ffi::Buffer<ffi::S8>>(arg);
+      auto scale = f32(1), bias = f32(2);
+      auto colsum = args.get<ffi::Buffer<ffi::S32>>(arg + 3);
+      if (!w.has_value() || !scale.has_value() || !bias.has_value() || !colsum.has_value())
+        return ffi::Error::InvalidArgument("actorq mlp: dense operands must be int8, float32, float32, int32");
+      if (ffi::Error e = CheckDense(L.op, K, L.N, w->dimensions(), scale->element_count(), bias->element_count(),
+                                    colsum->element_count(), path, L.act);
+          e.failure())
+        return e;
+      L.dense = DenseOperands{L.op, w->typed_data(), scale->typed_data(), bias->typed_data(), colsum->typed_data()};
+    }
+    arg += need;
+    K = L.N;
+    widest = std::max(widest, L.N);
+    layers.push_back(L);
+  }
+  const auto yd = y->dimensions();
+  if (arg != args.size() || yd.size() != 2 || yd[0] != M || yd[1] != K)
+    return ffi::Error::InvalidArgument("actorq mlp: operands or output shape do not match the program");
+  thread_local std::vector<float> ping, pong;
+  ping.resize(static_cast<size_t>(M * widest));
+  pong.resize(static_cast<size_t>(M * widest));
+  const int64_t p = Resolve(path);
+  const float* in = x.typed_data();
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const MlpLayer& L = layers[i];
+    float* out = i + 1 == layers.size() ? y->typed_data() : (i % 2 == 0 ? ping.data() : pong.data());
+    if (L.op == kOpLayerNorm)
+      RunLayerNorm(M, L.N, p, in, L.ln_scale, L.ln_bias, out, L.eps, L.act);
+    else
+      RunDense(Geometry{M, L.K, L.N, (L.N + kPanel - 1) / kPanel, L.act}, p, in, L.dense, out);
+    in = out;
   }
   return ffi::Error::Success();
 }
 
-ffi::Error W4A8Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scale,
-                    ffi::Buffer<ffi::F32> bias, ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t n_attr,
-                    int64_t path, int64_t act) {
-  const auto xd = x.dimensions();
-  const auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || n_attr < 1)
-    return ffi::Error::InvalidArgument("actorq int8_dense w4a8: expected x [M, K], w [K8 / 2, 16 * panels]");
-  Geometry g{xd[0], xd[1], n_attr, (n_attr + kPanel - 1) / kPanel, act};
-  const int64_t K8 = (g.K + 7) / 8 * 8;
-  if (wd[0] != K8 / 2 || wd[1] != g.P * kPanel)
-    return ffi::Error::InvalidArgument("actorq int8_dense w4a8: expected w [K8 / 2, 16 * panels]");
-  if (ffi::Error e = CheckCommon(g, path, n_attr, scale.element_count(), bias.element_count());
-      e.failure())
-    return e;
-  const int64_t p = Resolve(path);
-  const float* sxp;
-  const int8_t* qp = QuantizeToScratch(x.typed_data(), g.M, g.K, K8, &sxp);
-  thread_local std::vector<int32_t> qsum;
-  qsum.resize(static_cast<size_t>(g.M));
-  for (int64_t m = 0; m < g.M; ++m) {
-    int32_t total = 0;
-    for (int64_t k = 0; k < g.K; ++k) total += qp[m * K8 + k];
-    qsum[m] = total;
-  }
-  const uint8_t* wp = reinterpret_cast<const uint8_t*>(w.typed_data());
-  const float* sp = scale.typed_data();
-  const float* bp = bias.typed_data();
-  float* yp = y->typed_data();
-  const int32_t* qs = qsum.data();
-  ForPanels(g.P, g.M * g.K * g.N / 2, [&](int64_t p0, int64_t p1) {
-#if ACTORQ_X86
-    if (p == kAvx512) return W4A8Vnni(g, K8, qp, qs, sxp, wp, sp, bp, yp, p0, p1);
-    if (p == kAvx2) return W4A8Avx2(g, K8, qp, qs, sxp, wp, sp, bp, yp, p0, p1);
-#endif
-    W4A8Scalar(g, K8, qp, qs, sxp, wp, sp, bp, yp, p0, p1);
-  });
-  return ffi::Error::Success();
-}
-
-ffi::Error W8A8Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scale,
-                    ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::S32> colsum,
-                    ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t n_attr, int64_t path,
-                    int64_t act) {
-  const auto xd = x.dimensions();
-  const auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || wd[0] != xd[1] || wd[1] != n_attr || n_attr < 1)
-    return ffi::Error::InvalidArgument("actorq int8_dense w8a8: expected x [M, K], w [K, N]");
-  Geometry g{xd[0], xd[1], n_attr, (n_attr + kPanel - 1) / kPanel, act};
-  const int64_t K4 = (g.K + 3) / 4;
-  if (static_cast<int64_t>(colsum.element_count()) != g.P * kPanel)
-    return ffi::Error::InvalidArgument("actorq int8_dense w8a8: colsum length != 16 * panels");
-  if (ffi::Error e = CheckCommon(g, path, n_attr, scale.element_count(), bias.element_count());
-      e.failure())
-    return e;
-  const int64_t p = Resolve(path);
-  const float* sxp;
-  int8_t* q = QuantizeToScratch(x.typed_data(), g.M, g.K, K4 * 4, &sxp);
-  if (p == kAvx512)
-    for (int64_t i = 0; i < g.M * K4 * 4; ++i) q[i] = static_cast<int8_t>(static_cast<uint8_t>(q[i]) ^ 0x80u);
-  const int8_t* wp = w.typed_data();
-  const float* sp = scale.typed_data();
-  const float* bp = bias.typed_data();
-  const int32_t* cp = colsum.typed_data();
-  float* yp = y->typed_data();
-  const int8_t* qp = q;
-  ForPanels(g.P, g.M * g.K * g.N, [&](int64_t p0, int64_t p1) {
-#if ACTORQ_X86
-    if (p == kAvx512)
-      return W8A8Vnni(g, K4, reinterpret_cast<const uint8_t*>(qp), sxp, wp, sp, bp, cp, yp, p0, p1);
-    if (p == kAvx2) return W8A8Avx2(g, K4, qp, sxp, wp, sp, bp, yp, p0, p1);
-#endif
-    W8A8Scalar(g, K4, qp, sxp, wp, sp, bp, yp, p0, p1);
-  });
-  return ffi::Error::Success();
-}
-
-// Arguments of the dense handlers without column sums (W8A32, W4A8): x, packed weights, scale, bias.
+// The dense handlers' signature: x, packed weights, scale, bias, colsum; out_features, path, activation.
 auto DenseBinding() {
   return ffi::Ffi::Bind()
-      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<F32>()
       .Arg<ffi::Buffer<ffi::S8>>()
-      .Arg<ffi::Buffer<ffi::F32>>()
-      .Arg<ffi::Buffer<ffi::F32>>()
-      .Ret<ffi::Buffer<ffi::F32>>()
+      .Arg<F32>()
+      .Arg<F32>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Ret<F32>()
       .Attr<int64_t>("out_features")
       .Attr<int64_t>("path")
       .Attr<int64_t>("activation");
@@ -1233,30 +1327,18 @@ auto DenseBinding() {
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ActorqInt8DenseW8A32, W8A32Impl, DenseBinding());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ActorqInt8DenseW8A8, W8A8Impl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("out_features")
-                                  .Attr<int64_t>("path")
-                                  .Attr<int64_t>("activation"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ActorqInt8DenseW4A8, W4A8Impl, DenseBinding());
+#define ACTORQ_DENSE_HANDLER(symbol, op) XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, DenseImpl<op>, DenseBinding())
+ACTORQ_DENSE_HANDLER(ActorqInt8DenseW8A32, kOpW8A32);
+ACTORQ_DENSE_HANDLER(ActorqInt8DenseW8A8, kOpW8A8);
+ACTORQ_DENSE_HANDLER(ActorqInt8DenseW4A8, kOpW4A8);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ActorqLayerNorm, LayerNormImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<float>("epsilon")
-                                  .Attr<int64_t>("activation")
+                              ffi::Ffi::Bind().Arg<F32>().Arg<F32>().Arg<F32>().Ret<F32>().Attr<float>("epsilon")
+                                  .Attr<int64_t>("activation").Attr<int64_t>("path"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ActorqMlp, MlpImpl,
+                              ffi::Ffi::Bind().Arg<F32>().RemainingArgs().Ret<F32>()
+                                  .Attr<ffi::Span<const int64_t>>("program").Attr<ffi::Span<const float>>("epsilons")
                                   .Attr<int64_t>("path"));
 
 // Plain C helpers for ctypes.

@@ -17,12 +17,15 @@ class MLP(nn.Module):
     activation: str = "relu"
     layer_norm: bool = False
     activate_final: bool = True
+    fuse_int8: bool = True  # int8 params: the whole torso as one kernel call (same numbers as layer by layer)
 
     @nn.compact
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
         activation_fn(self.activation)  # fails early, naming a bad activation
+        if self.fuse_int8 and self._all_int8():
+            # One FFI call per forward: per-layer calls cost XLA dispatch and fusions between them.
+            return kernels.int8_mlp(x, self._int8_layers())
         for i, size in enumerate(self.layer_sizes):
-            last = i == len(self.layer_sizes) - 1
             if i == 0 and self.layer_norm:
                 # Normalising the first layer keeps the scale of raw observations out of the rest.
                 x = Dense(size, name=f"Dense_{i}")(x)
@@ -35,9 +38,32 @@ class MLP(nn.Module):
                     x = jnp.tanh(norm(x))
             else:
                 # The activation goes into the layer, where the int8 kernel fuses it.
-                act = self.activation if not last or self.activate_final else None
-                x = Dense(size, activation=act, name=f"Dense_{i}")(x)
+                x = Dense(size, activation=self._layer_activation(i), name=f"Dense_{i}")(x)
         return x
+
+    def _layer_activation(self, i: int) -> Optional[str]:
+        """The activation after Dense_i (None after a final layer that is not activated)."""
+        return self.activation if i < len(self.layer_sizes) - 1 or self.activate_final else None
+
+    def _all_int8(self) -> bool:
+        """Whether every Dense kernel is packed for the int8 kernel and has a bias (what int8_mlp runs)."""
+        params = self.variables.get("params", {})
+        return all(isinstance(params.get(f"Dense_{i}", {}).get("kernel"), kernels.Int8DenseWeight)
+                   and params[f"Dense_{i}"].get("bias") is not None for i in range(len(self.layer_sizes)))
+
+    def _int8_layers(self) -> list:
+        """The torso as int8_mlp layers, read from the same parameter tree the float path uses."""
+        params = self.variables["params"]
+        layers = []
+        for i in range(len(self.layer_sizes)):
+            p = params[f"Dense_{i}"]
+            if i == 0 and self.layer_norm:
+                norm = params["LayerNorm_0"]
+                layers += [kernels.MlpDense(p["kernel"], p["bias"]),
+                           kernels.MlpLayerNorm(norm["scale"], norm["bias"], nn.LayerNorm.epsilon, "tanh")]
+            else:
+                layers.append(kernels.MlpDense(p["kernel"], p["bias"], self._layer_activation(i)))
+        return layers
 
     def _runs_int8_kernels(self) -> bool:
         """Whether the first layer's weights are packed for the int8 kernel (an int8 actor's params)."""
