@@ -1,0 +1,170 @@
+"""End to end, the paper's question: do q=8 actors reach the same return sooner, and with less energy, than q=32?
+
+    python benchmarks/end_to_end.py --json results/end_to_end.json           # full: 3 seeds, two layouts
+    python benchmarks/end_to_end.py --quick --json /tmp/e2e.json             # CI smoke: 1 short seed
+    python benchmarks/end_to_end.py --agent dqn                              # DQN on CartPole-v1
+
+Each run is a real launcher run (learner + Reverb, 2 actors, evaluator) in the paper's
+replay regime (`--rate_limiter min_size --max_times_sampled N`: actors run free). Runs
+alternate q=32, q=8, q=32, q=8, ... within each seed so the machine's drift hits both,
+in two layouts: `shared` (every process on every core) and `pinned` (the learner on
+core 0, actors and evaluator on the rest: the learner's speed cannot depend on the
+actors' precision). Time to target is the wall time of the first fp32 evaluation at or
+above `--target_fraction` of `--target`; a run that misses it counts its whole budget
+(censored, marked `*`). Energy to target prorates the run's codecarbon energy to that
+time. The headline's ratios compare means over seeds (q32 / q8 for time and energy,
+q8 / q32 for rates); the pinned layout's keys are plain, the shared layout's end in _shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from actorq_jax.analysis.run_figures import measure_run  # noqa: E402  (after the path insert)
+from actorq_jax.telemetry import write_json  # noqa: E402
+from actorq_jax.telemetry.machine import machine_info  # noqa: E402
+
+# Per agent: task, the return that counts as solved, and layer flags. D4PG's policy size: a learner
+# here makes about 63 / 21.5 / 6.7 SGD steps/s at 256x3 / 1024x3 / 2048x3 (DESIGN.md), and
+# cartpole_balance needs roughly 5-10k SGD steps to reach 900 at 256x3, so 256x3 is the largest
+# size whose 3-seed, 2-layout, 2-precision grid (12 runs) fits in about 75 minutes of runs.
+AGENTS = {
+    "d4pg": {"task": "cartpole_balance", "target": 1000.0, "layers": ["--policy_layers", "256,256,256",
+                                                                       "--critic_layers", "256,256"]},
+    "dqn": {"task": "CartPole-v1", "target": 500.0, "layers": ["--q_layers", "256,256"]},
+}
+QUICK_LAYERS = {"d4pg": ["--policy_layers", "32,32", "--critic_layers", "32,32", "--batch_size", "32",
+                         "--min_replay_size", "200"],
+                "dqn": ["--q_layers", "32,32", "--batch_size", "32", "--min_replay_size", "200"]}
+LAYOUTS = ("pinned", "shared")
+BITS = (32, 8)
+
+
+def _layout_flags(layout: str) -> List[str]:
+    if layout == "shared":
+        return []
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit("end_to_end: the pinned layout needs at least 2 cores")
+    return ["--learner_cpus", str(cores[0]), "--actor_cpus", ",".join(map(str, cores[1:]))]
+
+
+def _run(agent: str, layout: str, bits: int, seed: int, args: argparse.Namespace, out: Path) -> Path:
+    spec = AGENTS[agent]
+    run_dir = out / f"{agent}_{layout}_q{bits}_s{seed}"
+    cmd = [sys.executable, str(ROOT / "experiments" / "run.py"), "--agent", agent, "--task", spec["task"],
+           "--actor_bits", str(bits), "--seed", str(seed), "--num_actors", "2", "--rate_limiter", "min_size",
+           "--max_times_sampled", str(args.max_times_sampled), "--max_seconds", str(args.max_seconds),
+           "--eval_period", str(args.eval_period), "--results_dir", str(run_dir),
+           *(QUICK_LAYERS[agent] if args.quick else spec["layers"]), *_layout_flags(layout)]
+    env = {**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "disable"), "TF_CPP_MIN_LOG_LEVEL": "2"}
+    with open(out / f"{run_dir.name}.log", "w") as log:
+        code = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                              timeout=args.max_seconds + 600).returncode
+    if code != 0 or not (run_dir / "summary.json").exists():
+        raise SystemExit(f"end_to_end: run {run_dir.name} failed (exit code {code}); see {out / (run_dir.name + '.log')}")
+    return run_dir
+
+
+def _mean(values: List[float]) -> float:
+    finite = [v for v in values if v == v]
+    return statistics.fmean(finite) if finite else math.nan
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b and a == a and b == b else math.nan
+
+
+def headline(rows: List[Dict[str, Any]], layout: str) -> Dict[str, float]:
+    """The BENCHMARKS.md keys for one layout (means over seeds)."""
+    by_bits = {b: [r for r in rows if r["layout"] == layout and r["bits"] == b] for b in BITS}
+    mean = {b: {k: _mean([r[k] for r in by_bits[b]]) for k in
+                ("time_to_target_s", "energy_to_target_kwh", "env_steps_per_s", "learner_steps_per_s", "final_return")}
+            for b in BITS}
+    suffix = "" if layout == "pinned" else "_shared"
+    return {
+        f"time_to_target_speedup_q8{suffix}": _ratio(mean[32]["time_to_target_s"], mean[8]["time_to_target_s"]),
+        f"energy_to_target_ratio_q8{suffix}": _ratio(mean[32]["energy_to_target_kwh"], mean[8]["energy_to_target_kwh"]),
+        f"env_steps_per_s_ratio_q8{suffix}": _ratio(mean[8]["env_steps_per_s"], mean[32]["env_steps_per_s"]),
+        f"learner_steps_per_s_ratio_q8{suffix}": _ratio(mean[8]["learner_steps_per_s"], mean[32]["learner_steps_per_s"]),
+        f"final_return_q32{suffix}": mean[32]["final_return"],
+        f"final_return_q8{suffix}": mean[8]["final_return"],
+        f"runs_reached_target_q32{suffix}": float(sum(r["reached"] for r in by_bits[32])),
+        f"runs_reached_target_q8{suffix}": float(sum(r["reached"] for r in by_bits[8])),
+    }
+
+
+def _print_table(rows: List[Dict[str, Any]], threshold: float) -> None:
+    print(f"{'layout':>7} {'q':>3} {'seed':>4} {'to target s':>12} {'env steps':>10} {'Wh':>7} {'env/s':>7} "
+          f"{'sgd/s':>6} {'final':>7}  bound by")
+    for r in rows:
+        mark = "" if r["reached"] else "*"
+        print(f"{r['layout']:>7} {r['bits']:>3} {r['seed']:>4} {r['time_to_target_s']:>11.0f}{mark:1} "
+              f"{r['env_steps_to_target']:>10,d} {1000 * r['energy_to_target_kwh']:>7.3f} {r['env_steps_per_s']:>7.0f} "
+              f"{r['learner_steps_per_s']:>6.1f} {r['final_return']:>7.1f}  {r['bound_by']}")
+    print(f"target: first fp32 evaluation >= {threshold:g}; * = not reached, whole budget counted (censored)")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Runs the grid, prints the table and the headline; writes --json when asked."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--agent", default="d4pg", choices=sorted(AGENTS))
+    parser.add_argument("--quick", action="store_true", help="1 seed of tiny networks and short budgets (a smoke test)")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--max_seconds", type=float, default=None, help="budget per run (default 300; 25 with --quick)")
+    parser.add_argument("--eval_period", type=int, default=None, help="learner steps between evaluations")
+    parser.add_argument("--max_times_sampled", type=int, default=8, help="samples per replay item before removal")
+    parser.add_argument("--target_fraction", type=float, default=0.9)
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma list from {LAYOUTS}")
+    parser.add_argument("--results_dir", default=None, help="where the runs go (default: results/end_to_end_<time>)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    layouts = [x.strip() for x in args.layouts.split(",")]
+    if not layouts or any(x not in LAYOUTS for x in layouts):
+        parser.error(f"--layouts: {args.layouts!r}; choose from {LAYOUTS}")
+    if not 0 < args.target_fraction <= 1:
+        parser.error(f"--target_fraction must be in (0, 1], got {args.target_fraction}")
+    if args.seeds < 1 or args.max_times_sampled < 1:
+        parser.error("--seeds and --max_times_sampled must be >= 1")
+    seeds = 1 if args.quick else args.seeds
+    args.max_seconds = args.max_seconds or (25.0 if args.quick else 300.0)
+    args.eval_period = args.eval_period or (50 if args.quick else 500)
+    threshold = args.target_fraction * AGENTS[args.agent]["target"]
+    out = Path(args.results_dir or f"results/end_to_end_{time.strftime('%Y%m%d-%H%M%S')}").absolute()
+    out.mkdir(parents=True, exist_ok=True)
+    before = machine_info()
+    rows = []
+    for seed in range(seeds):
+        for layout in layouts:
+            for bits in BITS:  # q32, q8 alternate within each seed and layout
+                run_dir = _run(args.agent, layout, bits, seed, args, out)
+                rows.append({"layout": layout, "bits": bits, "seed": seed, "run_dir": str(run_dir),
+                             **measure_run(run_dir, threshold, args.max_seconds)})
+                print(f"[end_to_end] {run_dir.name}: done", flush=True)
+    _print_table(rows, threshold)
+    head: Dict[str, float] = {}
+    for layout in layouts:
+        head.update(headline(rows, layout))
+    print("headline: " + ", ".join(f"{k}={v:.3g}" for k, v in head.items()))
+    if args.json:
+        payload = {"benchmark": "end_to_end", "machine": {**machine_info(), "loadavg_before": before["loadavg_1_5_15"]},
+                   "config": {"agent": args.agent, "task": AGENTS[args.agent]["task"], "threshold": threshold,
+                              "seeds": seeds, "max_seconds": args.max_seconds, "quick": args.quick},
+                   "rows": rows, "headline": head}
+        write_json(args.json, payload)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""benchmarks/end_to_end.py: per-run figures from a results directory, and a --quick smoke run of real runs."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from actorq_jax.analysis.run_figures import bottleneck, measure_run
+from actorq_jax.telemetry import EVAL_FIELDS, CsvLogger, write_json
+
+ROOT = Path(__file__).resolve().parents[1]
+HEADLINE = ("time_to_target_speedup_q8", "energy_to_target_ratio_q8", "env_steps_per_s_ratio_q8",
+            "learner_steps_per_s_ratio_q8", "final_return_q32", "final_return_q8", "runs_reached_target_q32",
+            "runs_reached_target_q8")
+
+
+def _fake_run(tmp_path: Path, returns, wall_seconds: float = 100.0) -> Path:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    write_json(run_dir / "summary.json", {
+        "wall_seconds": wall_seconds, "env_steps": 5000, "learner_steps": 400, "energy_kwh": 0.002,
+        "final_eval_return": returns[-1],
+        "actor_time_s": {"env_step": 10.0, "inference": 30.0, "adder": 5.0, "pull": 1.0, "deserialize": 0.5, "load": 0.5},
+    })
+    with CsvLogger(run_dir / "eval.csv", EVAL_FIELDS) as log:
+        for i, value in enumerate(returns):
+            final = int(i == len(returns) - 1)
+            log.write({"wall_seconds": 20.0 * (i + 1), "env_steps": 1000 * (i + 1), "learner_steps": 100 * i,
+                       "policy": "fp32", "bits": 32, "episode": 0, "return": value, "final": final})
+            log.write({"wall_seconds": 20.0 * (i + 1), "env_steps": 1000 * (i + 1), "learner_steps": 100 * i,
+                       "policy": "actor", "bits": 8, "episode": 0, "return": 1000.0, "final": final})
+    return run_dir
+
+
+def test_time_env_steps_and_energy_to_target(tmp_path):
+    figures = measure_run(_fake_run(tmp_path, [100.0, 950.0, 990.0, 980.0]), threshold=900.0, budget_s=120.0)
+    assert figures["reached"] and figures["time_to_target_s"] == 40.0 and figures["env_steps_to_target"] == 2000
+    assert figures["energy_to_target_kwh"] == pytest.approx(0.002 * 40.0 / 100.0)
+    assert figures["env_steps_per_s"] == 50.0 and figures["learner_steps_per_s"] == 4.0
+    assert figures["final_return"] == 980.0
+    assert figures["bound_by"].startswith("actor inference")
+
+
+def test_a_run_that_misses_the_target_counts_its_budget(tmp_path):
+    # The actors' policy reaches 1000 but only fp32 evaluations count; the final evaluation does not either.
+    figures = measure_run(_fake_run(tmp_path, [100.0, 200.0, 950.0]), threshold=900.0, budget_s=120.0)
+    assert not figures["reached"] and figures["time_to_target_s"] == 120.0
+    assert math.isfinite(figures["energy_to_target_kwh"])
+
+
+def test_bottleneck_names_the_limiter_when_actors_mostly_wait():
+    assert bottleneck({"env_step": 1.0, "inference": 1.0, "rate_limit_wait": 8.0}).startswith("learner")
+    assert bottleneck({"env_step": 5.0, "inference": 1.0, "adder": 1.0}).startswith("env")
+    assert bottleneck({}).startswith("unknown")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_quick_benchmark_runs_real_runs_and_reports_every_headline_key(tmp_path):
+    out = tmp_path / "e2e.json"
+    env = {**os.environ, "MUJOCO_GL": "disable", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    proc = subprocess.run([sys.executable, "benchmarks/end_to_end.py", "--quick", "--json", str(out),
+                           "--results_dir", str(tmp_path / "runs")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=880)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    for key in HEADLINE:
+        for name in (key, f"{key}_shared"):
+            assert name in report["headline"], name
+            assert math.isfinite(report["headline"][name]), (name, report["headline"][name])
+    assert {(r["layout"], r["bits"]) for r in report["rows"]} == {("pinned", 32), ("pinned", 8), ("shared", 32), ("shared", 8)}
+    assert report["machine"]["cpu"] and "bound by" in proc.stdout
