@@ -97,6 +97,33 @@ def actor_position(actor_id: int, num_actors: int) -> float:
     return min(actor_id, num_actors - 1) / (num_actors - 1)
 
 
+# -- the fields every agent config has ----------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentConfig:
+    """Base of every agent's config: the fields the agent contract reads (n-step return, batches, replay regime).
+
+    An agent's config subclasses it, adds its own fields, may redeclare a field to
+    change its default, and calls `super().__post_init__()` from its own.
+    """
+
+    n_step: int = documented(5, "n of the n-step return")
+    discount: float = documented(0.99, "per-step discount gamma, in (0, 1]")
+    batch_size: int = documented(256, "transitions per SGD step")
+    samples_per_insert: float = documented(32.0, "replay ratio enforced by Reverb's rate limiter (rate_limiter ratio)")
+    rate_limiter: str = documented(
+        "ratio", "ratio: actors and learner held to samples_per_insert; min_size: actors run free (the paper's actorQ)")
+    max_times_sampled: int = documented(0, "with rate_limiter min_size: an item is removed after this many samples")
+    min_replay_size: int = documented(1000, "transitions before learning starts")
+    max_replay_size: int = documented(1_000_000, "FIFO capacity of the replay table")
+
+    def __post_init__(self) -> None:
+        check_ints(self, ("n_step",))
+        check(_finite(self.discount) and 0.0 < self.discount <= 1.0, self, "discount", "must be in (0, 1]")
+        check_replay(self)
+
+
 # -- flags --------------------------------------------------------------------------------
 
 

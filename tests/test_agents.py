@@ -13,7 +13,7 @@ from actorq_jax.agents.builder import AgentBuilder
 from actorq_jax.agents.d4pg.config import D4PGConfig
 from actorq_jax.agents.dqn.config import DQNConfig
 from actorq_jax.agents.registry import AgentEntry, agent_names, get_agent, register_agent, unregister_agent
-from actorq_jax.config import check_positive, check_replay, documented
+from actorq_jax.config import AgentConfig, check_positive, documented
 from actorq_jax.environments import environment_spec, make_environment
 from actorq_jax.launch import runtime
 from actorq_jax.launch.config import RunConfig, config_from_json, save_config
@@ -23,25 +23,23 @@ from actorq_jax.replay import ReplayBatch, Transition
 
 
 @dataclasses.dataclass(frozen=True)
-class TinyConfig:
+class TinyConfig(AgentConfig):
     """A one-network agent: regress Q(o, a) on the n-step reward."""
 
     layers: Tuple[int, ...] = documented((8,), "hidden sizes")
     learning_rate: float = documented(0.1, "SGD step size")
     greedy: bool = documented(False, "act greedily even while exploring")
     seed_offset: Optional[int] = documented(None, "unused; shows Optional fields parse")
-    n_step: int = documented(3, "n of the n-step return")
+    n_step: int = documented(3, "n of the n-step return")  # a redeclared field: only the default changes
     discount: float = documented(0.9, "gamma")
     batch_size: int = documented(4, "transitions per step")
     samples_per_insert: float = documented(2.0, "replay ratio")
     min_replay_size: int = documented(1, "transitions before learning")
     max_replay_size: int = documented(100, "replay capacity")
-    rate_limiter: str = documented("ratio", "replay regime")
-    max_times_sampled: int = documented(0, "cap on samples per item (min_size regime)")
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_positive(self, ("learning_rate",))
-        check_replay(self)
 
 
 class TinyBuilder(AgentBuilder):

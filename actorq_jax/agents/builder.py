@@ -47,8 +47,8 @@ class AgentBuilder(abc.ABC):
     Subclasses set `config` (the agent's frozen config), `spec` (the task's
     EnvironmentSpec) and `actor_network` (the flax module actors and the
     evaluator run) in `__init__(config, spec)`, and implement the abstract
-    methods. The config must have the replay fields `max_replay_size`,
-    `min_replay_size`, `samples_per_insert`, `batch_size`, `n_step` and `discount`.
+    methods. The config subclasses `actorq_jax.config.AgentConfig`, whose fields
+    (n-step return, batch size, replay regime) this class reads.
     """
 
     config: Any

@@ -4,20 +4,23 @@ import dataclasses
 from typing import Tuple
 
 from actorq_jax.config import (
+    AgentConfig,
     actor_position,
     check,
     check_ints,
     check_layers,
     check_non_negative,
     check_positive,
-    check_replay,
     documented,
 )
 
 
 @dataclasses.dataclass(frozen=True)
-class D4PGConfig:
-    """Hyper-parameters of D4PG; defaults follow Acme's D4PG where they apply. Every field is a flag."""
+class D4PGConfig(AgentConfig):
+    """Hyper-parameters of D4PG (beside AgentConfig's n-step and replay fields); Acme's defaults where they apply.
+
+    Every field is a flag.
+    """
 
     # Networks.
     policy_layers: Tuple[int, ...] = documented((256, 256, 256), "hidden sizes of the policy MLP (comma list)")
@@ -27,30 +30,19 @@ class D4PGConfig:
     v_min: float = documented(-150.0, "lowest value atom")
     v_max: float = documented(150.0, "highest value atom")
     # Learning.
-    n_step: int = documented(5, "n of the n-step return")
-    discount: float = documented(0.99, "per-step discount gamma, in (0, 1]")
-    batch_size: int = documented(256, "transitions per SGD step")
     policy_learning_rate: float = documented(1e-4, "Adam step size of the policy")
     critic_learning_rate: float = documented(1e-4, "Adam step size of the critic")
     max_grad_norm: float = documented(40.0, "global-norm gradient clipping, per network")
     target_update_period: int = documented(100, "hard target update every this many SGD steps")
-    # Replay (Reverb) and rate limiting.
-    samples_per_insert: float = documented(32.0, "replay ratio enforced by Reverb's rate limiter")
-    rate_limiter: str = documented(
-        "ratio", "ratio: actors and learner held to samples_per_insert; min_size: actors run free (the paper's actorQ)")
-    max_times_sampled: int = documented(0, "with rate_limiter min_size: an item is removed after this many samples")
-    min_replay_size: int = documented(1000, "transitions before learning starts")
-    max_replay_size: int = documented(1_000_000, "FIFO capacity of the replay table")
     # Exploration.
     sigma: float = documented(0.3, "std of the Gaussian exploration noise (in action units)")
     sigma_spread: float = documented(0.0, "actor i of N gets sigma * (1 + spread * (i / (N - 1) - 0.5)); 0: all alike")
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_layers(self, ("policy_layers", "critic_layers"))
-        check_ints(self, ("n_step", "target_update_period"))
-        check_replay(self)
+        check_ints(self, ("target_update_period",))
         check_ints(self, ("num_atoms",), minimum=2)
-        check(0.0 < self.discount <= 1.0, self, "discount", "must be in (0, 1]")
         check(self.v_min < self.v_max, self, "v_min", f"must be < v_max ({self.v_max})")
         check_positive(self, ("policy_learning_rate", "critic_learning_rate", "max_grad_norm"))
         check_non_negative(self, ("sigma",))
