@@ -26,6 +26,7 @@ from actorq_jax.replay import (
     Transition,
     VariableClient,
     VariablePublisher,
+    WriteTimeout,
     make_replay_table,
     make_variables_table,
     parse_address,
@@ -33,6 +34,8 @@ from actorq_jax.replay import (
     update_priorities,
     wait_for_server,
 )
+from actorq_jax.replay.server import checkpoint_table_size, prune_checkpoints
+from actorq_jax.replay.variables import insert_wire
 
 OBS_DIM, ACT_DIM = 3, 2
 OBS = np.zeros(OBS_DIM, np.float32)
@@ -380,15 +383,93 @@ def test_variable_client_load_fn_and_surfaced_errors():
             assert client.version == 12 and client.errors == 1
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(30)  # the bound: wait_for_first must return, not hang
 def test_wait_for_first_times_out_with_clear_message():
     with ReplayServer([make_variables_table()]) as server:
         with VariableClient(server.address) as client:
-            start = time.monotonic()
             with pytest.raises(TimeoutError, match=f"no variables published on {server.address} "
                                                    "table variables after 1.5 s"):
                 client.wait_for_first(timeout_s=1.5)
-            assert time.monotonic() - start < 5
+
+
+@pytest.mark.timeout(60)
+def test_bad_payload_is_rejected_once_and_last_params_kept():
+    with ReplayServer([make_variables_table()]) as server:
+        publisher = VariablePublisher(wait_for_server(server.address, 10), config=INT8)
+        publisher.publish(small_params(1), version=5, meta={"max_priority": 3.0})
+        like = quantize(small_params(0), INT8)
+        with VariableClient(server.address, update_period=1, like=like, raise_errors=False) as client:
+            client.wait_for_first(timeout_s=20)
+            assert client.version == 5 and client.meta == {"max_priority": 3.0}
+            # A stray client writes a payload for another network, then garbage.
+            stray = reverb.Client(server.address)
+            insert_wire(stray, "variables", to_wire(quantize({"w": np.ones((4, 4), np.float32)}, INT8), 6))
+            for _ in range(3):
+                client.refresh(timeout_s=10)  # the same bad item is not pulled again
+            assert client.rejected == 1 and client.version == 5 and client.params is not None
+            insert_wire(stray, "variables", [np.frombuffer(b"{not json", np.uint8)])
+            client.refresh(timeout_s=10)
+            assert client.rejected == 2 and client.version == 5
+            publisher.publish(small_params(3), version=7)
+            client.refresh(timeout_s=10)
+            assert client.version == 7 and client.rejected == 2
+
+
+@pytest.mark.timeout(60)
+def test_adder_writes_time_out_when_the_server_is_gone():
+    config = ReplayTableConfig(max_size=1000, min_size=1, samples_per_insert=None)
+    server = ReplayServer([make_replay_table(config, OBS, ACT)])
+    client = wait_for_server(server.address, 10)
+    adder = NStepAdder(client, "replay", n_step=1, discount=GAMMA, max_in_flight_items=0, timeout_s=1.0)
+    episode = random_episode(np.random.default_rng(0), 5, terminal=True)
+    feed(adder, episode)
+    server.stop()
+    with pytest.raises(WriteTimeout):
+        feed(adder, episode)  # the timeout bounds the wait for the server's confirmation
+    with pytest.raises(WriteTimeout):
+        adder.close()
+
+
+@pytest.mark.timeout(60)
+def test_new_items_enter_at_the_priority_set_on_the_adder():
+    config = ReplayTableConfig(max_size=1000, min_size=1, samples_per_insert=None, prioritized=True)
+    with ReplayServer([make_replay_table(config, OBS, ACT)]) as server:
+        client = wait_for_server(server.address, 10)
+        with NStepAdder(client, "replay", n_step=1, discount=GAMMA, timeout_s=10) as adder:
+            adder.priority = 7.5
+            feed(adder, random_episode(np.random.default_rng(1), 4, terminal=True))
+        samples = list(client.sample("replay", num_samples=8, emit_timesteps=False))
+        assert {s.info.priority for s in samples} == {7.5}
+
+
+@pytest.mark.timeout(120)
+def test_replay_checkpoint_restores_the_table(tmp_path):
+    config = ReplayTableConfig(max_size=1000, min_size=1, samples_per_insert=None, prioritized=True)
+    rng = np.random.default_rng(3)
+    with ReplayServer([make_replay_table(config, OBS, ACT)], checkpoint_dir=tmp_path) as server:
+        client = wait_for_server(server.address, 10)
+        with NStepAdder(client, "replay", n_step=2, discount=GAMMA, timeout_s=10) as adder:
+            feed(adder, random_episode(rng, 40, terminal=True))
+            assert server.checkpoint("first") == "first"
+            feed(adder, random_episode(rng, 10, terminal=True))
+            server.checkpoint("second")
+        port = server.port
+    assert checkpoint_table_size(tmp_path, "first", "replay") == 40
+    assert checkpoint_table_size(tmp_path, "second", "replay") == 50
+    # Restored on the same port, from the older checkpoint: exactly what it held.
+    with ReplayServer([make_replay_table(config, OBS, ACT)], port=port, checkpoint_dir=tmp_path,
+                      restore="first") as server:
+        client = wait_for_server(server.address, 10)
+        info = client.server_info(timeout=5)["replay"]
+        assert info.current_size == 40 and info.rate_limiter_info.insert_stats.completed == 40
+        batch = next(ReplayDataset(server.address, "replay", batch_size=8, prefetch=0))
+        assert batch.observation.shape == (8, OBS_DIM)
+        prune_checkpoints(tmp_path, ["first"])
+        assert not (tmp_path / "second").exists() and (tmp_path / "first").exists()
+    with ReplayServer([make_replay_table(config, OBS, ACT)], checkpoint_dir=tmp_path) as server:
+        assert wait_for_server(server.address, 10).server_info(timeout=5)["replay"].current_size == 0
+    with pytest.raises(FileNotFoundError, match="missing"):
+        ReplayServer([make_replay_table(config, OBS, ACT)], checkpoint_dir=tmp_path, restore="missing")
 
 
 # ----------------------------------------------------------------------------- failures
@@ -443,15 +524,12 @@ def test_malformed_address_is_rejected(bad):
         VariableClient(bad)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(60)  # the bound: every call below must give up, not hang
 def test_unreachable_address_fails_within_bounded_time():
     dead = f"localhost:{portpicker.pick_unused_port()}"
     for address in (dead, "nonexistent.invalid:4321"):
-        start = time.monotonic()
         with pytest.raises(TimeoutError, match=address):
             wait_for_server(address, timeout_s=1.5)
-        assert time.monotonic() - start < 5
-    start = time.monotonic()
     with pytest.raises(TimeoutError, match=dead):
         ReplayDataset(dead, "replay", batch_size=4, connect_timeout_s=1)
     with VariableClient(dead) as client:
@@ -459,4 +537,3 @@ def test_unreachable_address_fails_within_bounded_time():
             client.wait_for_first(timeout_s=1.5)
     with pytest.raises(TimeoutError, match=dead):
         NStepAdder(reverb.Client(dead), "replay", n_step=1, discount=GAMMA, connect_timeout_s=1)
-    assert time.monotonic() - start < 15

@@ -6,26 +6,252 @@ Remote actors join a running learner from another machine:
 
 The configuration (task, agent, bits...) is read from the learner's server, so a
 remote actor always runs the same experiment as the local ones.
+
+No actor call blocks for long on its learner: writes wait at most WRITE_TIMEOUT_S
+before the actor asks whether the server still answers (a busy learner's rate
+limiter holds writes legitimately; then the actor keeps waiting). A server that
+does not answer is retried until it has been gone for `server_timeout_s`; a
+learner that comes back on the same address (the launcher restarts it) gets its
+actors back, which abandon the episode in progress. Past the timeout the actor
+says so in one line and exits with EXIT_SERVER_GONE; every finished episode is
+already in its CSV.
 """
 
 import argparse
 import dataclasses
+import json
 import logging
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Dict, Optional
 
 from actorq_jax.launch import runtime
 
 log = logging.getLogger(__name__)
 
-ACTOR_FIELDS = (
-    "actor_id", "episode", "env_steps", "episode_return", "episode_length", "wall_seconds",
-    "params_version", "env_step_s", "inference_s", "adder_s", "pull_s", "deserialize_s", "load_s",
-)
 FIRST_VARIABLES_TIMEOUT_S = 120.0
+WRITE_TIMEOUT_S = 5.0
+PROBE_EVERY_S = 0.5
+EXIT_SERVER_GONE = 3
+DEFAULT_SERVER_TIMEOUT_S = 60.0
+
+
+class ServerGone(RuntimeError):
+    """The learner's server stayed unreachable for longer than the actor's server timeout."""
+
+
+class Link:
+    """The actor's view of its learner's server: is it there, and how long has it been gone."""
+
+    def __init__(self, address: str, timeout_s: float, stop: threading.Event, version: Callable[[], Any]):
+        self.address = address
+        self.timeout_s = timeout_s
+        self.stop = stop
+        self.version = version
+        self.outages = 0
+
+    def reachable(self) -> bool:
+        """Whether the server answers within a second (through a fresh client: no stale channel)."""
+        import reverb
+
+        try:
+            reverb.Client(self.address).server_info(timeout=1)
+            return True
+        except (reverb.DeadlineExceededError, RuntimeError):
+            return False
+
+    def wait(self) -> bool:
+        """Blocks until the server answers (True) or stop is set (False); ServerGone past timeout_s."""
+        since = time.monotonic()
+        counted = False
+        while not self.stop.is_set():
+            if self.reachable():
+                return True
+            if not counted:
+                self.outages += 1
+                counted = True
+                log.warning("learner at %s does not answer; retrying for up to %g s", self.address, self.timeout_s)
+            gone = time.monotonic() - since
+            if gone > self.timeout_s:
+                raise ServerGone(
+                    f"learner at {self.address} unreachable for {gone:.0f} s (server_timeout_s {self.timeout_s:g}); "
+                    f"last params version {self.version()}; exiting")
+            self.stop.wait(PROBE_EVERY_S)
+        return False
+
+
+class Actor:
+    """One actor: its environment, jitted policy, adder and variable client."""
+
+    def __init__(self, run: Any, agent_config: Any, actor_id: int, address: str, stop: threading.Event,
+                 restart: int = 0, server_timeout_s: Optional[float] = None):
+        import jax
+
+        from actorq_jax.environments import environment_spec, make_environment
+        from actorq_jax.launch.precision import ActorPrecision, make_param_loader, resolve_backend
+        from actorq_jax.quantization import QuantConfig, quantize
+        from actorq_jax.telemetry import PhaseTimer
+
+        self.run, self.agent_config, self.actor_id, self.address, self.stop = run, agent_config, actor_id, address, stop
+        seed = runtime.derive_seed(run.seed, actor_id, restart)
+        self.env = make_environment(run.task, seed=seed)
+        self.builder = runtime.make_builder(run.agent, agent_config, environment_spec(self.env))
+        policy = self.builder.behaviour_policy(actor_id, run.num_actors)
+
+        @jax.jit
+        def act(params: Any, key: jax.Array, step: jax.Array, observation: jax.Array) -> jax.Array:
+            # Folding the step in inside jit keeps key handling off the per-step Python path.
+            return policy(params, jax.random.fold_in(key, step), observation)
+
+        self.act, self.key = act, jax.random.PRNGKey(seed)
+        precision = ActorPrecision(run.actor_bits, run.wire_bits, run.granularity, run.actor_backend, run.int8_mode)
+        if resolve_backend(precision) == "int8":
+            from actorq_jax import kernels
+
+            kernels.set_num_threads(max(1, run.actor_threads))
+            log.info("%s", kernels.describe_kernel())
+        self.load_fn = make_param_loader(precision)
+        self.like = quantize(self.builder.params_template(), QuantConfig(bits=run.wire_bits, granularity=run.granularity))
+        if server_timeout_s is None:
+            server_timeout_s = run.server_timeout_s
+        self.link = Link(address, server_timeout_s, stop, lambda: self.variables.version if self.variables else None)
+        self.timer = PhaseTimer()
+        self.variables: Any = None
+        self.adder: Any = None
+        self.total_steps = self.episodes = self.abandoned = self._timings_seen = 0
+        self.start = time.monotonic()
+
+    # -- connection ---------------------------------------------------------------
+
+    def connect(self) -> bool:
+        """Joins the server and waits for the first parameters; False when stopped first."""
+        from actorq_jax.replay import VariableClient
+
+        if not self.link.wait():
+            return False
+        self.variables = VariableClient(self.address, runtime.VARIABLES_TABLE, update_period=self.run.update_period,
+                                        like=self.like, load_fn=self.load_fn, raise_errors=False)
+        try:
+            self.variables.wait_for_first(FIRST_VARIABLES_TIMEOUT_S)
+        except TimeoutError:
+            if self.link.wait():  # the server is up but publishes nothing: a clear error, not a hang
+                raise
+            return False
+        self.adder = self._new_adder()
+        return True
+
+    def _new_adder(self) -> Any:
+        import reverb
+
+        from actorq_jax.replay import NStepAdder
+
+        config = self.builder.adder_config()
+        return NStepAdder(reverb.Client(self.address), config.table, config.n_step, config.discount,
+                          timeout_s=min(WRITE_TIMEOUT_S, self.link.timeout_s), connect_timeout_s=self.link.timeout_s)
+
+    def _write(self, call: Callable[[], None]) -> bool:
+        """Runs one adder call; False when the episode had to be abandoned (the server restarted)."""
+        from actorq_jax.replay import WriteTimeout
+
+        try:
+            call()
+            return True
+        except WriteTimeout:
+            return self._recover(wait_for_writes=True)
+        except (RuntimeError, ConnectionError) as error:  # a broken writer stream: start over
+            log.warning("replay write to %s failed: %s", self.address, error)
+            return self._recover(wait_for_writes=False)
+
+    def _recover(self, wait_for_writes: bool) -> bool:
+        """Waits out a busy server, or reconnects to one that went away (abandoning the episode)."""
+        from actorq_jax.replay import WriteTimeout
+
+        outages = self.link.outages
+        while wait_for_writes and not self.stop.is_set() and self.link.reachable():
+            try:
+                self.adder.wait()  # the rate limiter holds our items: the learner is busy, not gone
+                return True
+            except WriteTimeout:
+                continue
+        if not self.link.wait():
+            return False  # stopped while waiting
+        if self.link.outages > outages:
+            log.info("learner at %s answers again; reconnecting (params version %s)", self.address,
+                     self.variables.version)
+        self._close_adder()
+        self.variables.reconnect()
+        self.adder = self._new_adder()
+        self.abandoned += 1
+        return False
+
+    def _close_adder(self) -> None:
+        from actorq_jax.replay import WriteTimeout
+
+        try:
+            self.adder.close()
+        except (WriteTimeout, RuntimeError) as error:
+            log.info("dropped unconfirmed items of %s: %s", self.address, error)
+
+    # -- acting -------------------------------------------------------------------
+
+    def run_episode(self) -> Optional[Dict[str, Any]]:
+        """Acts for one episode; its CSV row, or None when stopped or abandoned."""
+        import numpy as np
+
+        self.adder.priority = self.variables.meta.get("max_priority", self.adder.priority)
+        timestep = self.env.reset()
+        if not self._write(lambda: self.adder.add_first(timestep)):
+            return None
+        episode_return, length = 0.0, 0
+        while not timestep.last() and not self.stop.is_set():
+            with self.timer.phase("inference"):
+                action = np.asarray(self.act(self.variables.params, self.key, self.total_steps, timestep.observation))
+            with self.timer.phase("env_step"):
+                timestep = self.env.step(action)
+            with self.timer.phase("adder"):
+                written = self._write(lambda: self.adder.add(action, timestep))  # noqa: B023 (called at once)
+            if not written:
+                return None
+            self.variables.update()
+            episode_return += float(timestep.reward)
+            length += 1
+            self.total_steps += 1
+        if not timestep.last():
+            return None  # stopped mid-episode: the partial episode is not logged as a return
+        self.episodes += 1
+        return self._row(episode_return, length)
+
+    def _row(self, episode_return: float, length: int) -> Dict[str, Any]:
+        from actorq_jax.telemetry import ACTOR_PHASES
+
+        timings = self.variables.timings
+        for t in timings[self._timings_seen:]:
+            self.timer.add("pull", t.pull_s)
+            self.timer.add("deserialize", t.deserialize_s)
+            self.timer.add("load", t.load_s)
+        self._timings_seen = len(timings)
+        totals = self.timer.totals()
+        self.timer.reset()
+        return {
+            "actor_id": self.actor_id,
+            "episode": self.episodes,
+            "env_steps": self.total_steps,
+            "episode_return": episode_return,
+            "episode_length": length,
+            "wall_seconds": round(time.monotonic() - self.start, 3),
+            "params_version": self.variables.version,
+            "rejected_payloads": self.variables.rejected,
+            **{f"{phase}_s": round(totals.get(phase, 0.0), 6) for phase in ACTOR_PHASES},
+        }
+
+    def close(self) -> None:
+        """Stops the variable client and flushes the adder (bounded)."""
+        if self.variables is not None:
+            self.variables.stop()
+        if self.adder is not None:
+            self._close_adder()
 
 
 def run_actor(
@@ -37,99 +263,49 @@ def run_actor(
     log_dir: Path,
     restart: int = 0,
     max_episodes: Optional[int] = None,
-) -> None:
-    """Actor main loop: act, write transitions, refresh variables in the background, log each episode."""
-    import jax
-    import numpy as np
+    server_timeout_s: Optional[float] = None,
+) -> int:
+    """Actor main loop: act, write transitions, log each episode; 0, or EXIT_SERVER_GONE when the learner left."""
+    from actorq_jax.telemetry import ACTOR_FIELDS, CsvLogger
 
-    from actorq_jax.environments import environment_spec, make_environment
-    from actorq_jax.launch.precision import ActorPrecision, make_param_loader, resolve_backend
-    from actorq_jax.quantization import QuantConfig, quantize
-    from actorq_jax.replay import NStepAdder, VariableClient, wait_for_server
-    from actorq_jax.telemetry import CsvLogger, PhaseTimer
-
-    seed = runtime.derive_seed(run.seed, actor_id, restart)
-    env = make_environment(run.task, seed=seed)
-    spec = environment_spec(env)
-    builder = runtime.make_builder(run.agent, agent_config, spec)
-    policy = builder.behaviour_policy(actor_id, run.num_actors)
-
-    @jax.jit
-    def act(params: Any, key: jax.Array, step: jax.Array, observation: jax.Array) -> jax.Array:
-        # Folding the step in inside jit keeps key handling off the per-step Python path.
-        return policy(params, jax.random.fold_in(key, step), observation)
-
-    precision = ActorPrecision(run.actor_bits, run.wire_bits, run.granularity, run.actor_backend, run.int8_mode)
-    if resolve_backend(precision) == "int8":
-        from actorq_jax import kernels
-
-        kernels.set_num_threads(max(1, run.actor_threads))
-        log.info("%s", kernels.describe_kernel())
-    like = quantize(builder.params_template(), QuantConfig(bits=run.wire_bits, granularity=run.granularity))
-    client = wait_for_server(address, timeout_s=60.0)
-    variables = VariableClient(
-        address, runtime.VARIABLES_TABLE, update_period=run.update_period, like=like, load_fn=make_param_loader(precision)
-    )
-    adder_config = builder.adder_config()
-    adder = NStepAdder(client, adder_config.table, adder_config.n_step, adder_config.discount)
-    key = jax.random.PRNGKey(seed)
-    timer = PhaseTimer()
+    actor = Actor(run, agent_config, actor_id, address, stop, restart, server_timeout_s)
     # One row per episode, flushed at once: a killed actor loses no finished episode.
     logger = CsvLogger(Path(log_dir) / f"actor_{actor_id}.csv", ACTOR_FIELDS, flush_every_s=0)
-    start = time.monotonic()
-    total_steps, episode, timings_seen = 0, 0, 0
     try:
-        variables.wait_for_first(FIRST_VARIABLES_TIMEOUT_S)
-        while not stop.is_set() and (max_episodes is None or episode < max_episodes):
-            timestep = env.reset()
-            adder.add_first(timestep)
-            episode_return, length = 0.0, 0
-            while not timestep.last() and not stop.is_set():
-                with timer.phase("inference"):
-                    action = np.asarray(act(variables.params, key, total_steps, timestep.observation))
-                with timer.phase("env_step"):
-                    timestep = env.step(action)
-                with timer.phase("adder"):
-                    adder.add(action, timestep)
-                variables.update()
-                episode_return += float(timestep.reward)
-                length += 1
-                total_steps += 1
-            if not timestep.last():
-                break  # stopped mid-episode: the partial episode is not logged as a return
-            episode += 1
-            timings = variables.timings
-            for t in timings[timings_seen:]:
-                timer.add("pull", t.pull_s)
-                timer.add("deserialize", t.deserialize_s)
-                timer.add("load", t.load_s)
-            timings_seen = len(timings)
-            totals = timer.totals()
-            logger.write({
-                "actor_id": actor_id,
-                "episode": episode,
-                "env_steps": total_steps,
-                "episode_return": episode_return,
-                "episode_length": length,
-                "wall_seconds": round(time.monotonic() - start, 3),
-                "params_version": variables.version,
-                **{f"{name}_s": round(totals.get(name, 0.0), 6)
-                   for name in ("env_step", "inference", "adder", "pull", "deserialize", "load")},
-            })
-            timer.reset()
+        if not actor.connect():
+            return 0
+        while not stop.is_set() and (max_episodes is None or actor.episodes < max_episodes):
+            row = actor.run_episode()
+            if row is not None:
+                logger.write(row)
+        return 0
+    except ServerGone as gone:
+        log.error("%s", gone)
+        print(f"actor {actor_id}: {gone}", file=sys.stderr, flush=True)
+        return EXIT_SERVER_GONE
     finally:
-        variables.stop()
-        adder.close()
         logger.close()
+        actor.close()
 
 
-def _fetch_config(address: str) -> str:
-    """config.json text published by the learner on its server."""
+def fetch_config(address: str, timeout_s: float) -> str:
+    """config.json text published by the learner on its server; TimeoutError or ValueError saying what is wrong."""
+    from actorq_jax.launch.config import config_from_json
     from actorq_jax.replay import wait_for_server
 
-    client = wait_for_server(address, timeout_s=60.0)
+    client = wait_for_server(address, timeout_s=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while client.server_info(timeout=max(1, int(timeout_s)))[runtime.CONFIG_TABLE].current_size == 0:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the learner at {address} published no configuration within {timeout_s:g} s")
+        time.sleep(PROBE_EVERY_S)
     sample = next(client.sample(runtime.CONFIG_TABLE, num_samples=1, emit_timesteps=False))
-    return bytes(sample.data[0].astype("uint8")).decode()
+    try:
+        text = bytes(sample.data[0].astype("uint8")).decode()
+        config_from_json(text)
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError, IndexError) as error:
+        raise ValueError(f"the config table on {address} holds a malformed row ({type(error).__name__}: {error})") from None
+    return text
 
 
 def main(argv: Optional[list] = None) -> int:
@@ -140,11 +316,15 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--log_dir", default="remote_actor_logs", help="where this actor writes actor_<id>.csv")
     parser.add_argument("--threads", type=int, default=1, help="XLA/intra-op threads of this actor (default 1)")
     parser.add_argument("--max_episodes", type=int, default=None, help="stop after this many episodes")
+    parser.add_argument("--server_timeout_s", type=float, default=None,
+                        help="seconds to keep reconnecting to an unreachable learner before exiting (default: the run's)")
     args = parser.parse_args(argv)
     if args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
     if args.max_episodes is not None and args.max_episodes < 1:
         parser.error(f"--max_episodes must be >= 1, got {args.max_episodes}")
+    if args.server_timeout_s is not None and not args.server_timeout_s > 0:
+        parser.error(f"--server_timeout_s must be > 0, got {args.server_timeout_s}")
     try:
         from actorq_jax.replay.server import parse_address
 
@@ -153,17 +333,18 @@ def main(argv: Optional[list] = None) -> int:
         parser.error(f"--server: {error}")
     runtime.apply_thread_env(args.threads)
     stop = runtime.install_stop_handlers()
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s actor {args.actor_id}: %(message)s")
     from actorq_jax.launch.config import config_from_json
 
     try:
-        run, agent_config = config_from_json(_fetch_config(args.server))
+        run, agent_config = config_from_json(fetch_config(args.server, args.server_timeout_s or DEFAULT_SERVER_TIMEOUT_S))
         run = dataclasses.replace(run, actor_threads=args.threads)  # this machine's budget, not the learner's
-    except TimeoutError as error:
+    except (TimeoutError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
-    run_actor(run, agent_config, args.actor_id, args.server, stop, Path(args.log_dir), max_episodes=args.max_episodes)
-    return 0
+    return run_actor(run, agent_config, args.actor_id, args.server, stop, Path(args.log_dir),
+                     max_episodes=args.max_episodes, server_timeout_s=args.server_timeout_s)
 
 
 if __name__ == "__main__":

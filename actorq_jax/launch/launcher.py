@@ -3,16 +3,24 @@
 Every worker is a fresh `python -m actorq_jax.launch.worker` process (never a
 fork of a process that has initialised JAX), with its own thread budget and a
 log file under `<results_dir>/logs/`. The launcher restarts actors that die,
-stops the run when the learner dies, on Ctrl-C/SIGTERM or at a budget, and
+restarts a learner that dies from its last checkpoint (replay included) on the
+same port, up to `max_learner_restarts` times, while the actors reconnect on
+their own; it stops the run past that, on Ctrl-C/SIGTERM or at a budget, and
 shuts down in an order that keeps every result: actors first, then the learner
 (final checkpoint and publication), then the evaluator's final evaluation.
+
+The learner's port is part of the run's configuration: picked here when
+`run.port` is 0 and written to config.json, so `--resume` listens where the
+remote actors already look (and fails clearly when something else holds it).
 """
 
 import dataclasses
+import errno
 import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -21,13 +29,33 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, TextIO
 
 from actorq_jax.launch import runtime
+from actorq_jax.launch.checkpoint import read_counters
 from actorq_jax.launch.config import RunConfig, save_config
 
 LEARNER_START_TIMEOUT_S = 300.0
 ACTOR_STOP_TIMEOUT_S = 20.0
 LEARNER_FINAL_TIMEOUT_S = 180.0
 EVALUATOR_FINAL_TIMEOUT_S = 600.0
-PHASES = ("env_step", "inference", "adder", "pull", "deserialize", "load")
+
+
+def free_port() -> int:
+    """A port nothing listens on now (the kernel's pick)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return int(sock.getsockname()[1])
+
+
+def port_in_use(port: int) -> bool:
+    """Whether something listens on `port` (connections lingering in TIME_WAIT do not count)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", port))
+        except OSError as error:
+            if error.errno == errno.EADDRINUSE:
+                return True
+            raise
+    return False
 
 
 @dataclasses.dataclass
@@ -63,7 +91,7 @@ class Launcher:
         restart = ["--restart", str(worker.restarts)] if worker.restarts else []
         with open(log_path, "ab") as log_file:
             worker.process = subprocess.Popen(
-                [sys.executable, "-m", "actorq_jax.launch.worker", worker.role,
+                [sys.executable, "-m", "actorq_jax.launch.worker", worker.role, "--parent_pid", str(os.getpid()),
                  "--results_dir", str(self.results_dir), "--threads", str(worker.threads), *worker.args, *restart],
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
@@ -108,6 +136,8 @@ class Launcher:
         (self.results_dir / "actors").mkdir(exist_ok=True)
         for stale in ("learner.json", "learner.release.json", "launcher.json"):
             runtime.status_file(self.results_dir, stale.rsplit(".json", 1)[0]).unlink(missing_ok=True)
+        if run.port == 0:
+            run = self.run = dataclasses.replace(run, port=free_port())
         save_config(self.results_dir / "config.json", run, self.agent_config)
         start_wall = time.time()
         write_json(runtime.status_file(self.results_dir, "launcher"), {"start_time": start_wall, "pid": os.getpid()})
@@ -119,6 +149,9 @@ class Launcher:
         self.workers.append(learner)
         exit_code = 0
         try:
+            if port_in_use(run.port):
+                raise PortTaken(f"port {run.port} (the learner's, from {self.results_dir / 'config.json'}) is taken "
+                                f"by another process; stop it, or start a new run")
             self._start(learner)
             address = self._wait_for_learner(learner)
             if address is None:
@@ -134,6 +167,9 @@ class Launcher:
                     self._start(w)
                 with ProgressLine(self.stream) as progress:
                     exit_code = self._watch(learner, progress, start)
+        except PortTaken as error:
+            self._say(f"cannot start the learner: {error}")
+            exit_code = 1
         finally:
             self._shutdown(learner)
             if exit_code == 0 and learner.process is not None and learner.process.returncode not in (0, None):
@@ -150,7 +186,7 @@ class Launcher:
         deadline = time.monotonic() + LEARNER_START_TIMEOUT_S
         while time.monotonic() < deadline and not self.stop.is_set():
             status = runtime.read_status(self.results_dir, "learner")
-            if status.get("address"):
+            if status.get("address") and status.get("pid") == learner.process.pid:
                 return status["address"]
             if learner.process.poll() is not None:
                 self._say(f"learner exited with code {learner.process.returncode} before starting:\n{self._log_tail(learner)}")
@@ -165,8 +201,7 @@ class Launcher:
         last_steps, last_time = 0, time.monotonic()
         rate = 0.0
         while not self.stop.wait(0.25):
-            if learner.process.poll() is not None:
-                self._say(f"learner died (exit code {learner.process.returncode}); stopping the run:\n{self._log_tail(learner)}")
+            if learner.process.poll() is not None and not self._restart_learner(learner):
                 return 1
             status = runtime.read_status(self.results_dir, "learner")
             if status.get("phase") in ("final", "done"):
@@ -206,6 +241,25 @@ class Launcher:
         self._say("stop requested; shutting down")
         return 0
 
+    def _restart_learner(self, learner: Worker) -> bool:
+        """Restarts a dead learner from its last checkpoint; False when the budget is spent or it fails."""
+        code = learner.process.returncode
+        budget = self.run.max_learner_restarts
+        if learner.restarts >= budget:
+            self._say(f"learner died (exit code {code}) after {learner.restarts} restarts; "
+                      f"stopping the run:\n{self._log_tail(learner)}")
+            return False
+        learner.restarts += 1
+        counters = read_counters(self.results_dir / "checkpoints") or {}
+        self._say(f"learner died (exit code {code}); restart {learner.restarts}/{budget} from the checkpoint at "
+                  f"learner step {counters.get('learner_steps', 0)} on port {self.run.port}")
+        self._start(learner)
+        if self._wait_for_learner(learner) is None:
+            return False
+        restored = runtime.read_status(self.results_dir, "learner").get("restored", {})
+        self._say(f"learner back at step {restored.get('learner_steps', 0)} with {restored.get('items', 0)} replay items")
+        return True
+
     def _last_eval(self) -> str:
         rows = _read_rows(self.results_dir / "eval.csv")
         rows = [r for r in rows if r.get("policy") == "fp32"]
@@ -230,9 +284,33 @@ class Launcher:
 
     # -- results --------------------------------------------------------------------
 
-    def _summarise(self, wall_seconds: float, energy: Dict[str, float], exit_code: int) -> Dict[str, Any]:
+    def _counters(self, exit_code: int) -> Dict[str, Any]:
+        """learner_steps and env_steps for the summary, and where they come from.
+
+        A clean run's final status report is written after its final checkpoint and is
+        exact. After a failure the last report may be up to a second old (or from before
+        a restart), so the figures are the last checkpoint's, which is on disk; the
+        report's own figures are kept apart, labelled.
+        """
         status = runtime.read_status(self.results_dir, "learner")
-        env_steps = int(status.get("env_steps", 0))
+        reported = {k: status.get(k, 0) for k in ("learner_steps", "env_steps", "wall_seconds")}
+        if exit_code == 0 and status.get("phase") == "done":
+            return {"learner_steps": int(reported["learner_steps"]), "env_steps": int(reported["env_steps"]),
+                    "counters_from": "final status report"}
+        checkpoint = read_counters(self.results_dir / "checkpoints") or {}
+        return {
+            "learner_steps": int(checkpoint.get("learner_steps", 0)),
+            "env_steps": int(checkpoint.get("env_steps", 0)),
+            "counters_from": (f"checkpoint at learner step {checkpoint['learner_steps']}" if checkpoint
+                              else "no checkpoint (nothing provable: 0)"),
+            "last_status_report": reported,  # figures from the last status report, not provable
+        }
+
+    def _summarise(self, wall_seconds: float, energy: Dict[str, float], exit_code: int) -> Dict[str, Any]:
+        from actorq_jax.telemetry import ACTOR_PHASES
+
+        counters = self._counters(exit_code)
+        env_steps = counters["env_steps"]
         evals = _read_rows(self.results_dir / "eval.csv")
         summary: Dict[str, Any] = {
             "agent": self.run.agent,
@@ -241,8 +319,7 @@ class Launcher:
             "actor_bits": self.run.actor_bits,
             "comm_bits": self.run.wire_bits,
             "num_actors": self.run.num_actors,
-            "env_steps": env_steps,
-            "learner_steps": int(status.get("learner_steps", 0)),
+            **counters,
             "wall_seconds": wall_seconds,
             "env_steps_per_second": env_steps / wall_seconds if wall_seconds > 0 else 0.0,
             "energy_kwh": energy.get("energy_kwh", math.nan),
@@ -254,25 +331,29 @@ class Launcher:
             final, best = _eval_returns(evals, policy)
             summary[f"final_eval_return{suffix}"] = final
             summary[f"best_eval_return{suffix}"] = best
-        totals = {phase: 0.0 for phase in PHASES}
+        totals = {phase: 0.0 for phase in ACTOR_PHASES}
         episodes = 0
         for path in sorted((self.results_dir / "actors").glob("actor_*.csv")):
             for row in _read_rows(path):
                 episodes += 1
-                for phase in PHASES:
+                for phase in ACTOR_PHASES:
                     totals[phase] += float(row.get(f"{phase}_s") or 0.0)
         summary["actor_episodes"] = episodes
         summary["actor_time_s"] = totals
+        summary["learner_restarts"] = next((w.restarts for w in self.workers if w.role == "learner"), 0)
         return summary
 
 
-def _read_rows(path: Path) -> List[Dict[str, str]]:
-    """Rows of a CSV as dicts of strings ([] when the file does not exist yet)."""
-    import csv
+class PortTaken(RuntimeError):
+    """The run's configured port is held by another process."""
+
+
+def _read_rows(path: Path) -> List[Dict[str, Any]]:
+    """Rows of a CSV, numbers parsed ([] when the file does not exist yet)."""
+    from actorq_jax.telemetry import read_csv
 
     try:
-        with open(path, newline="") as f:
-            return list(csv.DictReader(f))
+        return read_csv(path)
     except FileNotFoundError:
         return []
 

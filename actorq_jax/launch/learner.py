@@ -1,11 +1,19 @@
-"""The learner process: owns the Reverb server, trains, publishes variables, checkpoints."""
+"""The learner process: owns the Reverb server, trains, publishes variables, checkpoints.
 
+A checkpoint holds the learner state, its counters and the replay tables (a
+Reverb checkpoint named in the counters), so a learner started with
+`run.resume` (a `--resume`, or the launcher restarting a dead learner) continues
+from the last checkpoint with the buffer it had then, on the same port.
+"""
+
+import csv
 import logging
+import os
 import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import jax
 import numpy as np
@@ -17,11 +25,13 @@ from actorq_jax.launch.checkpoint import Checkpointer
 from actorq_jax.launch.config import RunConfig
 from actorq_jax.quantization import QuantConfig
 from actorq_jax.replay import (
+    PublishStats,
     ReplayDataset,
     ReplayServer,
     VariablePublisher,
     update_priorities,
 )
+from actorq_jax.replay.server import prune_checkpoints
 from actorq_jax.telemetry import CsvLogger, write_json
 
 log = logging.getLogger(__name__)
@@ -29,43 +39,50 @@ log = logging.getLogger(__name__)
 LOG_EVERY_STEPS = 100
 # How long the dataset waits on the rate limiter before the loop rechecks its stop flag.
 SAMPLE_TIMEOUT_MS = 1000
+# How long a learner whose launcher lives keeps its server up for the evaluator's final fetch.
 EVALUATOR_GRACE_S = 300.0
+REPORT_EVERY_S = 1.0
 
 
 class Learner:
     """Pulls batches from replay, applies the agent's pure `sgd_step`, publishes and checkpoints."""
 
-    def __init__(self, builder: Any, run: RunConfig, server: ReplayServer, results_dir: Path):
+    def __init__(self, builder: Any, run: RunConfig, results_dir: Path):
         self.builder = builder
         self.run = run
-        self.server = server
-        self.results_dir = results_dir
-        self.client = server.client()
         self.replay_table = builder.replay_config().name
         self.state = builder.init_state(jax.random.PRNGKey(run.seed))
         self.checkpointer = Checkpointer(results_dir / "checkpoints")
-        self.env_steps_offset = 0
+        counters: Dict[str, Any] = {}
         if run.resume:
             restored = self.checkpointer.restore(self.state)
             if restored is not None:
                 self.state, counters = restored
-                # Replay starts empty after a resume; env steps carry on from the checkpoint.
-                self.env_steps_offset = int(counters.get("env_steps", 0))
+        self.server = _start_server(builder, run, results_dir / "replay_checkpoints", counters.get("replay_checkpoint"))
+        self.client = self.server.client()
+        # Prioritized replay inserts new items at the largest priority written back so far.
+        self.max_priority = float(counters.get("max_priority", 1.0))
         wire = QuantConfig(bits=run.wire_bits, granularity=run.granularity)
         self.publisher = VariablePublisher(self.client, runtime.VARIABLES_TABLE, wire)
         self.eval_publisher = VariablePublisher(self.client, runtime.EVAL_VARIABLES_TABLE, QuantConfig(bits=32))
         self._dataset: Optional[ReplayDataset] = None
-        self._env_steps_cache = (0.0, self.env_steps_offset)
+        info = self.client.server_info(timeout=30)[self.replay_table]
+        self.restored = {"checkpoint": counters.get("replay_checkpoint"), "items": int(info.current_size),
+                         "learner_steps": self.steps, "env_steps": int(counters.get("env_steps", 0))}
+        # env steps = the checkpoint's count + inserts since this server started (a restored
+        # table restores its insert count too).
+        self._env_steps_base = int(counters.get("env_steps", 0)) - int(info.rate_limiter_info.insert_stats.completed)
+        self._env_steps_cache = (0.0, int(counters.get("env_steps", 0)))
 
     @property
     def steps(self) -> int:
         """SGD steps taken so far (continues across resumes)."""
         return int(self.state.steps)
 
-    def env_steps(self) -> int:
+    def env_steps(self, max_age_s: float = 0.5) -> int:
         """Transitions inserted into replay (one per actor env step), counted by the server."""
         now = time.monotonic()
-        if now - self._env_steps_cache[0] > 0.5:
+        if now - self._env_steps_cache[0] > max_age_s:
             try:
                 info = self.client.server_info(timeout=5)[self.replay_table]
             except reverb.DeadlineExceededError:
@@ -73,19 +90,26 @@ class Learner:
                 log.warning("replay server_info timed out; reporting the last env-step count")
                 return self._env_steps_cache[1]
             inserted = int(info.rate_limiter_info.insert_stats.completed)
-            self._env_steps_cache = (now, self.env_steps_offset + inserted)
+            self._env_steps_cache = (now, self._env_steps_base + inserted)
         return self._env_steps_cache[1]
 
-    def publish(self, evaluation: bool = False) -> None:
+    def publish(self, evaluation: bool = False) -> PublishStats:
         """Sends the actors' parameters (and, for evaluation, the float policy) to the server."""
         params = jax.device_get(self.builder.actor_params(self.state))
-        self.publisher.publish(params, self.steps)
+        stats = self.publisher.publish(params, self.steps, meta={"max_priority": self.max_priority})
         if evaluation:
             self.eval_publisher.publish(params, self.steps)
+        return stats
 
     def checkpoint(self) -> None:
-        """Saves state and counters."""
-        self.checkpointer.save(self.steps, self.state, {"env_steps": self.env_steps(), "learner_steps": self.steps})
+        """Saves state, counters and the replay tables; keeps the replay checkpoints of kept states only."""
+        if self.checkpointer.has(self.steps):
+            return
+        replay = self.server.checkpoint(f"step_{self.steps}")
+        counters = {"env_steps": self.env_steps(max_age_s=0.0), "learner_steps": self.steps,
+                    "max_priority": self.max_priority, "replay_checkpoint": replay}
+        self.checkpointer.save(self.steps, self.state, counters)
+        prune_checkpoints(self.server.checkpoint_dir, [c.get("replay_checkpoint") for c in self.checkpointer.kept_counters()])
 
     def step(self) -> Optional[Dict[str, Any]]:
         """One SGD step on a fresh batch; None when replay could not serve one in time."""
@@ -107,79 +131,157 @@ class Learner:
         update = self.builder.priority_update(batch, metrics)
         if update is not None:
             update_priorities(self.client, self.replay_table, update.keys, update.priorities)
+            self.max_priority = max(self.max_priority, float(np.max(update.priorities)))
         return metrics
 
 
-def run_learner(run: RunConfig, agent_config: Any, config_json: str, stop: threading.Event) -> None:
+def _start_server(builder: Any, run: RunConfig, checkpoint_dir: Path, restore: Optional[str]) -> ReplayServer:
+    """The learner's Reverb server: replay, variables and config tables, restored from `restore` when given."""
+    return ReplayServer(runtime.learner_tables(builder), port=run.port or None, advertised_host=socket.getfqdn(),
+                        checkpoint_dir=checkpoint_dir, restore=restore)
+
+
+class LearnerLog:
+    """learner.csv: one row every LOG_EVERY_STEPS steps (losses, rates, publish cost)."""
+
+    def __init__(self, path: Path, start: float, first_step: int):
+        self.path = path
+        self.start = start
+        self._logger: Optional[CsvLogger] = None
+        self._last = (time.monotonic(), first_step)
+        self._publish_s, self._publishes, self._publish_bytes = 0.0, 0, 0
+
+    def published(self, stats: PublishStats) -> None:
+        """Counts one publication's cost towards the next row."""
+        self._publish_s += stats.quantize_s + stats.serialize_s + stats.insert_s
+        self._publishes += 1
+        self._publish_bytes = stats.nbytes
+
+    def write(self, steps: int, env_steps: int, metrics: Dict[str, Any]) -> None:
+        """Writes the row of learner step `steps`."""
+        now = time.monotonic()
+        row = {k: float(np.mean(v)) for k, v in jax.device_get(metrics).items() if k != "priorities"}
+        if self._logger is None:
+            fields = ["learner_steps", "wall_seconds", "env_steps", "sgd_steps_per_s", "publish_s", "publish_bytes"]
+            self._logger = CsvLogger(self.path, fields + sorted(row))
+        last_time, last_steps = self._last
+        row.update(
+            learner_steps=steps,
+            wall_seconds=round(now - self.start, 3),
+            env_steps=env_steps,
+            sgd_steps_per_s=(steps - last_steps) / max(now - last_time, 1e-9),
+            publish_s=self._publish_s / max(self._publishes, 1),  # mean seconds per publication
+            publish_bytes=self._publish_bytes,
+        )
+        self._logger.write(row)
+        self._last = (now, steps)
+        self._publish_s, self._publishes = 0.0, 0
+
+    def close(self) -> None:
+        """Flushes the rows."""
+        if self._logger is not None:
+            self._logger.close()
+
+
+def drop_rows_after(path: Path, step: int) -> None:
+    """Removes learner.csv rows past `step`: after a restore they belong to a timeline that was lost."""
+    if not path.exists():
+        return
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    if not rows or "learner_steps" not in rows[0]:
+        return
+    column = rows[0].index("learner_steps")
+    kept = [rows[0]] + [r for r in rows[1:] if len(r) > column and r[column].isdigit() and int(r[column]) <= step]
+    if len(kept) == len(rows):
+        return
+    tmp = path.with_suffix(".csv.tmp")
+    with open(tmp, "w", newline="") as f:
+        csv.writer(f).writerows(kept)
+    os.replace(tmp, path)
+
+
+def run_learner(
+    run: RunConfig,
+    agent_config: Any,
+    config_json: str,
+    stop: threading.Event,
+    launcher_alive: Callable[[], bool] = lambda: True,
+) -> None:
     """Learner main loop until `stop` or a learner-step budget; then final checkpoint and hand-over."""
     results_dir = Path(run.results_dir)
-    env = make_environment(run.task, seed=run.seed)
-    spec = environment_spec(env)
-    builder = runtime.make_builder(run.agent, agent_config, spec)
-    server = ReplayServer(runtime.learner_tables(builder), port=run.port or None, advertised_host=socket.getfqdn())
-    learner = Learner(builder, run, server, results_dir)
-    client = learner.client
-    runtime.publish_config(client, config_json)
-    learner.publish(evaluation=True)
+    spec = environment_spec(make_environment(run.task, seed=run.seed))
+    learner = Learner(runtime.make_builder(run.agent, agent_config, spec), run, results_dir)
+    runtime.publish_config(learner.client, config_json)
+    drop_rows_after(results_dir / "learner.csv", learner.steps)
     start = time.monotonic()
-    status_path = runtime.status_file(results_dir, "learner")
+    csv_log = LearnerLog(results_dir / "learner.csv", start, learner.steps)
+    csv_log.published(learner.publish(evaluation=True))
+    report = StatusReport(learner, start, runtime.status_file(results_dir, "learner"))
+    report("running")
+    try:
+        while not stop.is_set() and not (run.max_learner_steps is not None and learner.steps >= run.max_learner_steps):
+            metrics = learner.step()
+            if metrics is not None:
+                _after_step(learner, csv_log, metrics)
+            report.maybe("running")
+    finally:
+        _hand_over(learner, csv_log, report, results_dir, launcher_alive)
 
-    def report(phase: str) -> None:
-        write_json(status_path, {
+
+def _after_step(learner: Learner, csv_log: LearnerLog, metrics: Dict[str, Any]) -> None:
+    """What the periods ask for after SGD step `learner.steps`: publish, evaluate, checkpoint, log."""
+    run, steps = learner.run, learner.steps
+    if steps % run.publish_period == 0 or steps % run.eval_period == 0:
+        csv_log.published(learner.publish(evaluation=steps % run.eval_period == 0))
+    if steps % run.checkpoint_period == 0:
+        learner.checkpoint()
+    if steps % LOG_EVERY_STEPS == 0:
+        csv_log.write(steps, learner.env_steps(), metrics)
+
+
+class StatusReport:
+    """Writes status/learner.json for the launcher (address, phase, counters, the restore)."""
+
+    def __init__(self, learner: Learner, start: float, path: Path):
+        self.learner = learner
+        self.start = start
+        self.path = path
+        self.last = 0.0
+
+    def __call__(self, phase: str) -> None:
+        learner = self.learner
+        write_json(self.path, {
             "phase": phase,
-            "address": server.address,
-            "local_address": f"localhost:{server.port}",
+            "pid": os.getpid(),
+            "address": learner.server.address,
+            "local_address": f"localhost:{learner.server.port}",
             "learner_steps": learner.steps,
             "env_steps": learner.env_steps(),
-            "wall_seconds": time.monotonic() - start,
+            "wall_seconds": time.monotonic() - self.start,
+            "restored": learner.restored,
         })
+        self.last = time.monotonic()
 
-    report("running")
-    logger: Optional[CsvLogger] = None
-    last_report = last_log_time = time.monotonic()
-    steps_at_last_log = learner.steps
-    try:
-        while not stop.is_set():
-            if run.max_learner_steps is not None and learner.steps >= run.max_learner_steps:
-                break
-            metrics = learner.step()
-            now = time.monotonic()
-            if metrics is not None:
-                steps = learner.steps
-                if steps % run.publish_period == 0:
-                    learner.publish(evaluation=steps % run.eval_period == 0)
-                elif steps % run.eval_period == 0:
-                    learner.publish(evaluation=True)
-                if steps % run.checkpoint_period == 0:
-                    learner.checkpoint()
-                if steps % LOG_EVERY_STEPS == 0:
-                    row = {k: float(np.mean(v)) for k, v in jax.device_get(metrics).items() if k != "priorities"}
-                    if logger is None:
-                        fields = ["learner_steps", "wall_seconds", "env_steps", "sgd_steps_per_s"] + sorted(row)
-                        logger = CsvLogger(results_dir / "learner.csv", fields)
-                    row.update(
-                        learner_steps=steps,
-                        wall_seconds=round(now - start, 3),
-                        env_steps=learner.env_steps(),
-                        sgd_steps_per_s=(steps - steps_at_last_log) / max(now - last_log_time, 1e-9),
-                    )
-                    logger.write(row)
-                    last_log_time, steps_at_last_log = now, steps
-            if now - last_report > 1.0:
-                report("running")
-                last_report = now
-    finally:
-        # Final hand-over: the last float policy for the evaluator, a checkpoint, flushed logs.
-        learner.publish(evaluation=True)
-        learner.checkpoint()
-        learner.checkpointer.close()
-        if logger is not None:
-            logger.close()
-        report("final")
-        # Keep the server up until the launcher says the evaluator has fetched the final policy.
-        release = runtime.status_file(results_dir, "learner.release")
-        deadline = time.monotonic() + EVALUATOR_GRACE_S
-        while not release.exists() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        report("done")  # before the server goes: the report reads its insert count
-        server.stop()
+    def maybe(self, phase: str) -> None:
+        """Reports when the last report is older than REPORT_EVERY_S."""
+        if time.monotonic() - self.last > REPORT_EVERY_S:
+            self(phase)
+
+
+def _hand_over(learner: Learner, csv_log: LearnerLog, report: StatusReport, results_dir: Path,
+               launcher_alive: Callable[[], bool]) -> None:
+    """Final publication for the evaluator, a checkpoint (replay included), flushed logs; then the server goes."""
+    learner.publish(evaluation=True)
+    learner.checkpoint()
+    learner.checkpointer.close()
+    csv_log.close()
+    report("final")
+    # Keep the server up until the launcher says the evaluator has fetched the final policy;
+    # a launcher that is gone waits for nothing.
+    release = runtime.status_file(results_dir, "learner.release")
+    deadline = time.monotonic() + EVALUATOR_GRACE_S
+    while not release.exists() and launcher_alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    report("done")  # before the server goes: the report reads its insert count
+    learner.server.stop()

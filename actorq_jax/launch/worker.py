@@ -2,17 +2,27 @@
 
 Thread budgets are environment variables that XLA and TensorFlow read once, so
 this module sets them before anything imports JAX.
+
+A worker never outlives its launcher: Linux SIGTERMs it when the launcher dies
+(runtime.die_with_parent), and once the launcher is gone nothing waits for it
+(the learner still writes its final checkpoint; everyone exits within seconds).
 """
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Callable, Optional
 
 from actorq_jax.launch import runtime
+
+# How long a worker whose launcher is gone may still take to finish (the evaluator's final
+# evaluation otherwise gets 600 s).
+ORPHAN_GRACE_S = 10.0
 
 
 def main(argv: Optional[list] = None) -> int:
@@ -22,11 +32,17 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--results_dir", required=True)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--actor_id", type=int, default=0)
-    parser.add_argument("--restart", type=int, default=0)
+    parser.add_argument("--restart", type=int, default=0, help="restarts of this slot (a learner restarts from its checkpoint)")
     parser.add_argument("--server", default=None)
+    parser.add_argument("--parent_pid", type=int, default=0, help="the launcher's pid (0: whoever started us)")
     args = parser.parse_args(argv)
     runtime.apply_thread_env(args.threads)
     runtime.die_with_parent()
+    parent = args.parent_pid or os.getppid()
+    if os.getppid() != parent:  # the launcher died before the death signal was armed
+        print(f"{args.role}: launcher {parent} is gone; exiting", file=sys.stderr)
+        return 1
+    launcher_alive = lambda: os.getppid() == parent  # noqa: E731 (orphans are re-parented)
     stop = runtime.install_stop_handlers()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.role}: %(message)s")
 
@@ -35,11 +51,14 @@ def main(argv: Optional[list] = None) -> int:
     results_dir = Path(args.results_dir)
     config_json = (results_dir / "config.json").read_text()
     run, agent_config = config_from_json(config_json)
+    runtime.apply_cpu_affinity(args.role, run)
     if args.role == "learner":
         from actorq_jax.launch.learner import run_learner
 
+        if args.restart:
+            run = dataclasses.replace(run, resume=True)  # a restarted learner continues from its checkpoint
         # The learner never blocks for long (sampling has a timeout): run it on the main thread.
-        run_learner(run, agent_config, config_json, stop)
+        run_learner(run, agent_config, config_json, stop, launcher_alive=launcher_alive)
         return 0
     if args.role == "actor":
         from actorq_jax.launch.actor import run_actor
@@ -52,21 +71,26 @@ def main(argv: Optional[list] = None) -> int:
 
         target = lambda: run_evaluator(run, agent_config, args.server, stop)  # noqa: E731
     # The evaluator's final evaluation runs after the stop request: give it time.
-    return run_until_stopped(target, stop, grace_s=10.0 if args.role == "actor" else 600.0)
+    return run_until_stopped(target, stop, grace_s=10.0 if args.role == "actor" else 600.0,
+                             launcher_alive=launcher_alive)
 
 
-def run_until_stopped(target: Callable[[], None], stop: threading.Event, grace_s: float = 10.0) -> int:
+def run_until_stopped(target: Callable[[], Optional[int]], stop: threading.Event, grace_s: float = 10.0,
+                      launcher_alive: Callable[[], bool] = lambda: True) -> int:
     """Runs `target` in a thread; once `stop` is set, gives it `grace_s` to finish, then exits anyway.
+
+    Without a launcher the grace is at most ORPHAN_GRACE_S: nobody waits for the result.
 
     An actor can sit inside a Reverb call that the rate limiter holds (the learner
     has stopped sampling), where Python signal handlers cannot reach it. Its logs
     are flushed row by row, so leaving without unwinding it loses nothing.
     """
     errors: list = []
+    codes: list = []
 
     def body() -> None:
         try:
-            target()
+            codes.append(target())
         except BaseException as error:  # reported by the main thread below, with its traceback
             errors.append(error)
             logging.exception("worker failed")
@@ -75,13 +99,18 @@ def run_until_stopped(target: Callable[[], None], stop: threading.Event, grace_s
     thread.start()
     while thread.is_alive() and not stop.is_set():
         thread.join(0.5)
-    thread.join(grace_s)
+    deadline = time.monotonic() + grace_s
+    while thread.is_alive() and time.monotonic() < deadline:
+        if not launcher_alive():
+            deadline = min(deadline, time.monotonic() + ORPHAN_GRACE_S)
+        thread.join(0.5)
     if thread.is_alive():
         logging.warning("still blocked %.0f s after the stop request (likely a rate-limited Reverb call); exiting", grace_s)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
-    return 1 if errors else 0
+    return 1 if errors else int(codes[0] or 0) if codes else 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

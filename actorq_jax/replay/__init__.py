@@ -10,16 +10,22 @@ publish quantized weights. Actor process (any machine): wait_for_server(address)
 NStepAdder(client, cfg.name, n, gamma) to write, VariableClient(address, ...) to read.
 """
 
-from actorq_jax.replay.adder import NStepAdder
+from actorq_jax.replay.adder import NStepAdder, WriteTimeout
 from actorq_jax.replay.dataset import ReplayBatch, ReplayDataset, update_priorities
 from actorq_jax.replay.server import ReplayServer, parse_address, wait_for_server
 from actorq_jax.replay.tables import ReplayTableConfig, make_replay_table, make_variables_table, transition_signature
 from actorq_jax.replay.types import Transition
-from actorq_jax.replay.variables import PublishStats, RefreshTiming, VariableClient, VariablePublisher
+from actorq_jax.replay.variables import (
+    PayloadRejected,
+    PublishStats,
+    RefreshTiming,
+    VariableClient,
+    VariablePublisher,
+)
 
 __all__ = [
-    "NStepAdder", "PublishStats", "RefreshTiming", "ReplayBatch", "ReplayDataset", "ReplayServer",
+    "NStepAdder", "PayloadRejected", "PublishStats", "RefreshTiming", "ReplayBatch", "ReplayDataset", "ReplayServer",
     "ReplayTableConfig", "Transition", "VariableClient", "VariablePublisher", "make_replay_table",
     "make_variables_table", "parse_address", "transition_signature", "update_priorities",
-    "wait_for_server",
+    "wait_for_server", "WriteTimeout",
 ]

@@ -13,6 +13,13 @@ from actorq_jax.replay.server import parse_address
 _REQUIRED = ("step_type", "reward", "discount", "observation")
 
 
+class WriteTimeout(TimeoutError):
+    """The server did not confirm the adder's items in time: it is gone, or its rate limiter holds inserts.
+
+    The items stay queued in the writer; `wait()` waits for them again.
+    """
+
+
 class NStepAdder:
     """Writes one n-step Transition item per environment step through a TrajectoryWriter.
 
@@ -35,12 +42,14 @@ class NStepAdder:
     the last (< n) steps whose n-step return is unknown are dropped.
 
     The writer blocks in `add` when the table's rate limiter refuses inserts (the
-    learner is behind) beyond `max_in_flight_items`.
+    learner is behind) beyond `max_in_flight_items`. With `timeout_s`, no call
+    blocks longer than that: a wait that runs out raises WriteTimeout (the caller
+    tells a busy server from a gone one); None waits as long as it takes.
     """
 
     def __init__(self, client: reverb.Client, table: str, n_step: int, discount: float,
                  priority: float = 1.0, max_in_flight_items: int = 16,
-                 connect_timeout_s: float = 30.0):
+                 connect_timeout_s: float = 30.0, timeout_s: Optional[float] = None):
         if isinstance(n_step, bool) or not isinstance(n_step, int) or n_step < 1:
             raise ValueError(f"n_step must be an int >= 1, got n_step={n_step!r}")
         if not 0.0 <= discount <= 1.0:
@@ -49,6 +58,9 @@ class NStepAdder:
             raise ValueError(f"priority must be >= 0, got priority={priority!r}")
         if max_in_flight_items < 0:
             raise ValueError(f"max_in_flight_items must be >= 0, got {max_in_flight_items!r}")
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0 or None, got timeout_s={timeout_s!r}")
+        self._timeout_ms = None if timeout_s is None else max(1, int(timeout_s * 1000))
         self._client = client
         self._table = table
         self._n = n_step
@@ -65,6 +77,21 @@ class NStepAdder:
         self._start_episode_state()
 
     # -- public API -----------------------------------------------------------------
+
+    @property
+    def priority(self) -> float:
+        """Priority of the items written next (prioritized replay inserts at the largest seen so far)."""
+        return self._priority
+
+    @priority.setter
+    def priority(self, value: float) -> None:
+        if not value >= 0:
+            raise ValueError(f"priority must be >= 0, got priority={value!r}")
+        self._priority = float(value)
+
+    def wait(self) -> None:
+        """Blocks until at most `max_in_flight_items` items await the server (WriteTimeout past timeout_s)."""
+        self._flush(self._max_in_flight)
 
     def add_first(self, timestep: Any) -> None:
         """Starts an episode at a FIRST timestep (writes o_0)."""
@@ -111,23 +138,30 @@ class NStepAdder:
                 self._writer.append(self._item_values(t, t_next))
                 self._steps += 1
                 self._create_item(t, t_next, priority)
-            self._end_episode()
-            self.episodes += 1
-            self._start_episode_state()
+            try:
+                self._end_episode()
+            finally:
+                # Reverb resets the episode even when the wait for its items runs out.
+                self.episodes += 1
+                self._start_episode_state()
         else:
-            self._writer.flush(block_until_num_items=self._max_in_flight)
+            self._flush(self._max_in_flight)
 
     def reset(self) -> None:
         """Abandons the current episode (see class doc) and flushes created items."""
-        self._end_episode()
-        self._start_episode_state()
+        try:
+            self._end_episode()
+        finally:
+            self._start_episode_state()
 
     def close(self) -> None:
-        """Flushes created items and closes the writer."""
+        """Flushes created items (within timeout_s) and closes the writer."""
         if self._writer is not None:
-            self._end_episode()
-            self._writer.close()
-            self._writer = None
+            try:
+                self._end_episode()
+            finally:
+                self._writer.close()
+                self._writer = None
 
     def __enter__(self) -> "NStepAdder":
         return self
@@ -154,7 +188,18 @@ class NStepAdder:
 
     def _end_episode(self) -> None:
         self._close_step()
-        self._writer.end_episode(clear_buffers=True)
+        try:
+            self._writer.end_episode(clear_buffers=True, timeout_ms=self._timeout_ms)
+        except reverb.DeadlineExceededError as error:
+            raise WriteTimeout(f"{self._client.server_address} did not confirm the episode's items "
+                               f"within {self._timeout_ms} ms") from error
+
+    def _flush(self, pending: int) -> None:
+        try:
+            self._writer.flush(block_until_num_items=pending, timeout_ms=self._timeout_ms)
+        except reverb.DeadlineExceededError as error:
+            raise WriteTimeout(f"{self._client.server_address} did not confirm items "
+                               f"within {self._timeout_ms} ms") from error
 
     def _append_observation(self, observation: Any, extra: Optional[Dict[str, Any]] = None) -> None:
         values = {"observation": self._cast("observation", observation)}

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+import shutil
 import time
-from typing import Optional, Sequence, Tuple
+from pathlib import Path
+from typing import Iterable, Optional, Sequence, Tuple
 
 import reverb
 
@@ -53,23 +55,84 @@ def wait_for_server(address: str, timeout_s: float = 30.0) -> reverb.Client:
         f"(is the learner running, and is the host:port right?); last error: {last_error}")
 
 
+def prune_checkpoints(directory: Path, keep: Iterable[str]) -> None:
+    """Deletes the replay checkpoints in `directory` whose names are not in `keep`."""
+    keep = {Path(name).name for name in keep if name} | {_WORK_DIR}
+    for path in Path(directory).glob("*"):
+        if path.is_dir() and path.name not in keep:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+# Reverb writes a checkpoint under this subdirectory and deletes its previous one there, so each
+# checkpoint is moved out of it at once, under the name the caller gives it.
+_WORK_DIR = "reverb"
+
+
+def checkpoint_table_size(directory: Path, name: str, table: str) -> int:
+    """Items of `table` held by the Reverb checkpoint `name` in `directory` (read from its files)."""
+    import tensorflow as tf
+    from reverb.cc import schema_pb2
+
+    items = Path(directory) / Path(name).name / "items.tfrecord"
+    if not items.exists():
+        raise FileNotFoundError(f"no Reverb checkpoint {name!r} in {directory}")
+    records = tf.data.TFRecordDataset(str(items), compression_type="ZLIB")
+    return sum(schema_pb2.PrioritizedItem.FromString(r.numpy()).table == table for r in records)
+
+
 class ReplayServer:
     """A Reverb server hosting the given tables; `.address` is what clients connect to.
 
     The server listens on every interface; `advertised_host` is only the host part
     of `.address` (pass this machine's name so actors elsewhere can join).
+
+    With `checkpoint_dir`, `checkpoint(name)` writes every table (items,
+    priorities, rate-limiter counts) to `checkpoint_dir/name`, and the server
+    starts from the checkpoint named `restore` when given (empty otherwise).
+    Checkpoints stay until `prune_checkpoints` removes them.
     """
 
     def __init__(self, tables: Sequence[reverb.Table], port: Optional[int] = None,
-                 advertised_host: str = "localhost"):
+                 advertised_host: str = "localhost", checkpoint_dir: Optional[Path] = None,
+                 restore: Optional[str] = None):
         if not tables:
             raise ValueError("ReplayServer needs at least one table, got none")
         if port is not None and not (isinstance(port, int) and 0 < port < 65536):
             raise ValueError(f"port must be an int in 1..65535 or None, got port={port!r}")
-        self._server: Optional[reverb.Server] = reverb.Server(tables=list(tables), port=port)
+        checkpointer = None
+        if checkpoint_dir is not None:
+            checkpoint_dir = Path(checkpoint_dir).absolute()
+            fallback = None
+            if restore:
+                fallback = checkpoint_dir / Path(restore).name
+                if not (fallback / "DONE").exists():
+                    raise FileNotFoundError(f"replay checkpoint {restore!r} is not in {checkpoint_dir}")
+            work = checkpoint_dir / _WORK_DIR
+            # Reverb loads the newest checkpoint in its directory, and the fallback only when that is empty.
+            shutil.rmtree(work, ignore_errors=True)
+            work.mkdir(parents=True)
+            checkpointer = reverb.checkpointers.DefaultCheckpointer(
+                str(work), fallback_checkpoint_path=None if fallback is None else str(fallback))
+        elif restore:
+            raise ValueError(f"restore={restore!r} needs a checkpoint_dir")
+        self.checkpoint_dir = checkpoint_dir
+        self._server: Optional[reverb.Server] = reverb.Server(
+            tables=list(tables), port=port, checkpointer=checkpointer)
         self._port = self._server.port
         self._host = advertised_host
         self.table_names = tuple(table.name for table in tables)
+
+    def checkpoint(self, name: str) -> str:
+        """Writes every table to checkpoint_dir/name (replacing one of that name); returns name."""
+        if self.checkpoint_dir is None:
+            raise ValueError("this ReplayServer has no checkpoint_dir")
+        if not name or Path(name).name != name or name == _WORK_DIR:
+            raise ValueError(f"checkpoint name must be a plain directory name other than {_WORK_DIR!r}, got {name!r}")
+        written = Path(reverb.Client(f"localhost:{self._port}").checkpoint())
+        target = self.checkpoint_dir / name
+        shutil.rmtree(target, ignore_errors=True)
+        written.rename(target)
+        return name
 
     @property
     def port(self) -> int:

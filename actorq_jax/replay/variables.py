@@ -11,17 +11,22 @@ import logging
 import math
 import threading
 import time
-from typing import Any, Callable, List, NamedTuple, Optional
+from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import numpy as np
 import reverb
 
 from actorq_jax.quantization import QuantConfig, from_wire, quantize, to_wire, wire_nbytes
+from actorq_jax.quantization.wire import wire_meta
 from actorq_jax.replay.server import parse_address
 
 _LOG = logging.getLogger(__name__)
 # Before the first weights arrive, update() asks the server at most this often.
 _FIRST_POLL_S = 0.1
+
+
+class PayloadRejected(ValueError):
+    """A variables payload that is malformed or does not fit the receiving network."""
 
 
 class PublishStats(NamedTuple):
@@ -75,14 +80,14 @@ class VariablePublisher:
         self.config = config
         self.published = 0
 
-    def publish(self, params: Any, version: int) -> PublishStats:
-        """Publishes params (a float32 pytree) as `version`; returns bytes and stage times."""
+    def publish(self, params: Any, version: int, meta: Optional[Dict[str, float]] = None) -> PublishStats:
+        """Publishes params (a float32 pytree) as `version` (with `meta` numbers); returns bytes and stage times."""
         if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or version < 0:
             raise ValueError(f"version must be an int >= 0, got version={version!r}")
         t0 = time.perf_counter()
         qparams = quantize(params, self.config)
         t1 = time.perf_counter()
-        arrays = to_wire(qparams, int(version))  # to_wire waits for the device values
+        arrays = to_wire(qparams, int(version), meta=meta)  # to_wire waits for the device values
         t2 = time.perf_counter()
         insert_wire(self._client, self.table, arrays)
         t3 = time.perf_counter()
@@ -104,7 +109,9 @@ class VariableClient:
 
     Errors: the last good `params` are kept; the error is re-raised (as RuntimeError,
     chained) by the next `update()`/`refresh()` call when `raise_errors` (default),
-    otherwise logged and counted in `errors`.
+    otherwise logged and counted in `errors`. A payload that is malformed or does
+    not fit `like` also counts in `rejected` and is logged once (the same item is
+    not pulled again); an unreachable server is logged once per outage.
     Thread-safe: `params`, `version` and `timings` may be read from any thread.
     """
 
@@ -132,8 +139,11 @@ class VariableClient:
         self._completed = 0
         self._next_poll = 0.0
         self._stopping = False
+        self._meta: Dict[str, float] = {}
+        self._unreachable = False
         self.steps = 0
         self.errors = 0
+        self.rejected = 0
         self.skipped = 0
         self._thread = threading.Thread(target=self._run, name=f"VariableClient[{address}]",
                                         daemon=True)
@@ -152,6 +162,18 @@ class VariableClient:
         """Version of `params` (None before the first)."""
         with self._cond:
             return self._version
+
+    @property
+    def meta(self) -> Dict[str, float]:
+        """The "meta" numbers published with `params` ({} when none)."""
+        with self._cond:
+            return dict(self._meta)
+
+    def reconnect(self) -> None:
+        """Talks to the server through a fresh client (after the learner restarted at the same address)."""
+        with self._cond:
+            self._client = reverb.Client(self.address)
+            self._seen_inserts = -1  # a restored table's insert count can repeat an old one
 
     @property
     def timings(self) -> List[RefreshTiming]:
@@ -247,19 +269,31 @@ class VariableClient:
                 target = self._requested
             try:
                 self._refresh_once()
+                self._unreachable = False
             except Exception as error:  # surfaced to the actor thread by update()/refresh()
-                _LOG.warning("variable refresh from %s failed: %s", self.address, error)
-                with self._cond:
-                    self._error = error
-                    self.errors += 1
+                self._note_error(error)
             with self._cond:
                 self._completed = target
                 self._cond.notify_all()
 
+    def _note_error(self, error: BaseException) -> None:
+        if isinstance(error, PayloadRejected):
+            _LOG.warning("rejected the variables payload on %s table %s (keeping version %s): %s",
+                         self.address, self.table, self.version, error.__cause__)
+        elif not (isinstance(error, ConnectionError) and self._unreachable):
+            _LOG.warning("variable refresh from %s failed: %s", self.address, error)
+        with self._cond:
+            self._error = error
+            self.errors += 1
+            self.rejected += isinstance(error, PayloadRejected)
+            self._unreachable = isinstance(error, ConnectionError)
+
     def _refresh_once(self) -> None:
         t0 = time.perf_counter()
+        with self._cond:
+            client = self._client
         try:
-            infos = self._client.server_info(timeout=self._rpc_timeout)
+            infos = client.server_info(timeout=self._rpc_timeout)
         except reverb.DeadlineExceededError as error:
             raise ConnectionError(
                 f"no Reverb server answered at {self.address} within {self._rpc_timeout} s") from error
@@ -272,12 +306,17 @@ class VariableClient:
         if inserts == self._seen_inserts:
             self.skipped += 1
             return
-        sample = next(self._client.sample(self.table, num_samples=1, emit_timesteps=False))
+        sample = next(client.sample(self.table, num_samples=1, emit_timesteps=False))
         arrays = list(sample.data)
         t1 = time.perf_counter()
-        qparams, version = from_wire(arrays, like=self._like)
-        t2 = time.perf_counter()
+        # A bad item is rejected once: its insert count is not pulled again.
         self._seen_inserts = inserts
+        try:
+            qparams, version = from_wire(arrays, like=self._like)
+            meta = wire_meta(arrays)
+        except ValueError as error:
+            raise PayloadRejected(str(error)) from error
+        t2 = time.perf_counter()
         if version == self.version:
             self.skipped += 1
             return
@@ -288,4 +327,5 @@ class VariableClient:
         with self._cond:
             self._params = params
             self._version = version
+            self._meta = meta
             self._timings.append(timing)
