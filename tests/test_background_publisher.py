@@ -23,11 +23,11 @@ class HeldPublisher(VariablePublisher):
         self.started = threading.Event()
         self.versions = []
 
-    def publish(self, params, version):
+    def publish(self, params, version, meta=None):
         self.started.set()
         assert self.release.wait(60), "the test never released the publisher"
         self.versions.append(version)
-        return super().publish(params, version)
+        return super().publish(params, version, meta=meta)
 
 
 def _builder():
@@ -86,8 +86,8 @@ def test_versions_must_increase_and_a_closed_publisher_refuses_work():
         background = BackgroundPublisher([VariablePublisher(server.client(), "variables", QuantConfig(bits=8))])
         params = {"params": {"w": np.ones((4, 4), np.float32)}}
         background.submit(params, 5)
-        with pytest.raises(ValueError, match="versions must increase"):
-            background.submit(params, 5)
+        with pytest.raises(ValueError, match="versions must not go back"):
+            background.submit(params, 4)
         assert background.close(timeout_s=30)
         assert _version_on_server(server, "variables") == 5
         with pytest.raises(RuntimeError, match="closed"):

@@ -37,6 +37,8 @@ class RunConfig:
         "w8a8", f"int8 kernel activations, one of {INT8_MODES} (w8a8 actors of <= 4 bits pack weights two per byte)")
     update_period: int = documented(100, "actor env steps between variable refreshes")
     publish_period: int = documented(10, "learner steps between variable publications")
+    publish_period_s: Optional[float] = documented(
+        None, "seconds between variable publications (replaces publish_period when given)")
     max_env_steps: Optional[int] = documented(None, "budget: total env steps of all actors")
     max_learner_steps: Optional[int] = documented(None, "budget: learner SGD steps")
     max_seconds: Optional[float] = documented(None, "budget: wall-clock seconds")
@@ -105,6 +107,8 @@ def run_config_problems(run: Any) -> List[Tuple[str, str]]:
         problems.append(("server_timeout_s", f"must be > 0, got {run.server_timeout_s}"))
     if not 0 <= run.port < 65536:
         problems.append(("port", f"must be in 0..65535, got {run.port}"))
+    if run.publish_period_s is not None and not run.publish_period_s > 0:
+        problems.append(("publish_period_s", f"must be > 0, got {run.publish_period_s}"))
     for name in BUDGETS:
         value = getattr(run, name)
         if value is not None and not value > 0:

@@ -25,12 +25,12 @@ from actorq_jax.launch.checkpoint import Checkpointer
 from actorq_jax.launch.config import RunConfig
 from actorq_jax.quantization import QuantConfig
 from actorq_jax.replay import (
-    PublishStats,
     ReplayDataset,
     ReplayServer,
     VariablePublisher,
     update_priorities,
 )
+from actorq_jax.replay.background import BackgroundPublisher, PublishTotals
 from actorq_jax.replay.server import prune_checkpoints
 from actorq_jax.telemetry import CsvLogger, write_json
 
@@ -41,6 +41,8 @@ LOG_EVERY_STEPS = 100
 SAMPLE_TIMEOUT_MS = 1000
 # How long a learner whose launcher lives keeps its server up for the evaluator's final fetch.
 EVALUATOR_GRACE_S = 300.0
+# How long the final hand-over waits for the background publisher to send the last version.
+FINAL_PUBLISH_TIMEOUT_S = 120.0
 REPORT_EVERY_S = 1.0
 
 
@@ -63,8 +65,12 @@ class Learner:
         # Prioritized replay inserts new items at the largest priority written back so far.
         self.max_priority = float(counters.get("max_priority", 1.0))
         wire = QuantConfig(bits=run.wire_bits, granularity=run.granularity)
-        self.publisher = VariablePublisher(self.client, runtime.VARIABLES_TABLE, wire)
-        self.eval_publisher = VariablePublisher(self.client, runtime.EVAL_VARIABLES_TABLE, QuantConfig(bits=32))
+        # Quantize, serialize and insert run off the SGD path (the actors' table, then the evaluator's).
+        self.publisher = BackgroundPublisher([
+            VariablePublisher(self.client, runtime.VARIABLES_TABLE, wire),
+            VariablePublisher(self.client, runtime.EVAL_VARIABLES_TABLE, QuantConfig(bits=32)),
+        ])
+        self.last_publish = time.monotonic()
         self._dataset: Optional[ReplayDataset] = None
         info = self.client.server_info(timeout=30)[self.replay_table]
         self.restored = {"checkpoint": counters.get("replay_checkpoint"), "items": int(info.current_size),
@@ -93,13 +99,18 @@ class Learner:
             self._env_steps_cache = (now, self._env_steps_base + inserted)
         return self._env_steps_cache[1]
 
-    def publish(self, evaluation: bool = False) -> PublishStats:
-        """Sends the actors' parameters (and, for evaluation, the float policy) to the server."""
-        params = jax.device_get(self.builder.actor_params(self.state))
-        stats = self.publisher.publish(params, self.steps, meta={"max_priority": self.max_priority})
-        if evaluation:
-            self.eval_publisher.publish(params, self.steps)
-        return stats
+    def publish(self, evaluation: bool = False) -> None:
+        """Hands the actors' parameters (and, for evaluation, the float policy) to the background publisher."""
+        self.last_publish = time.monotonic()
+        # JAX arrays are immutable, so the publisher thread may read them while SGD goes on.
+        self.publisher.submit(self.builder.actor_params(self.state), self.steps, evaluation=evaluation,
+                              meta={"max_priority": self.max_priority})
+
+    def publish_due(self) -> bool:
+        """Whether the publication period (in SGD steps, or seconds with publish_period_s) has come round."""
+        if self.run.publish_period_s is not None:
+            return time.monotonic() - self.last_publish >= self.run.publish_period_s
+        return self.steps % self.run.publish_period == 0
 
     def checkpoint(self) -> None:
         """Saves state, counters and the replay tables; keeps the replay checkpoints of kept states only."""
@@ -142,27 +153,22 @@ def _start_server(builder: Any, run: RunConfig, checkpoint_dir: Path, restore: O
 
 
 class LearnerLog:
-    """learner.csv: one row every LOG_EVERY_STEPS steps (losses, rates, publish cost)."""
+    """learner.csv: one row every LOG_EVERY_STEPS steps (losses, rates, the background publisher's cost)."""
 
     def __init__(self, path: Path, start: float, first_step: int):
         self.path = path
         self.start = start
         self._logger: Optional[CsvLogger] = None
         self._last = (time.monotonic(), first_step)
-        self._publish_s, self._publishes, self._publish_bytes = 0.0, 0, 0
+        self._last_totals = PublishTotals(0, 0, 0, 0.0, -1, 0)
 
-    def published(self, stats: PublishStats) -> None:
-        """Counts one publication's cost towards the next row."""
-        self._publish_s += stats.quantize_s + stats.serialize_s + stats.insert_s
-        self._publishes += 1
-        self._publish_bytes = stats.nbytes
-
-    def write(self, steps: int, env_steps: int, metrics: Dict[str, Any]) -> None:
+    def write(self, steps: int, env_steps: int, metrics: Dict[str, Any], totals: PublishTotals) -> None:
         """Writes the row of learner step `steps`."""
         now = time.monotonic()
         row = {k: float(np.mean(v)) for k, v in jax.device_get(metrics).items() if k != "priorities"}
         if self._logger is None:
-            fields = ["learner_steps", "wall_seconds", "env_steps", "sgd_steps_per_s", "publish_s", "publish_bytes"]
+            fields = ["learner_steps", "wall_seconds", "env_steps", "sgd_steps_per_s", "publish_s", "publish_bytes",
+                      "versions_published", "versions_dropped"]
             self._logger = CsvLogger(self.path, fields + sorted(row))
         last_time, last_steps = self._last
         row.update(
@@ -170,17 +176,24 @@ class LearnerLog:
             wall_seconds=round(now - self.start, 3),
             env_steps=env_steps,
             sgd_steps_per_s=(steps - last_steps) / max(now - last_time, 1e-9),
-            publish_s=self._publish_s / max(self._publishes, 1),  # mean seconds per publication
-            publish_bytes=self._publish_bytes,
+            # Per publication since the last row (off the SGD path: this is the publisher thread's time).
+            publish_s=_per_item(totals.publish_s - self._last_totals.publish_s, totals.published - self._last_totals.published),
+            publish_bytes=_per_item(totals.nbytes - self._last_totals.nbytes, totals.published - self._last_totals.published),
+            versions_published=totals.published,  # cumulative since this learner process started
+            versions_dropped=totals.dropped,  # replaced by a newer version before they were sent
         )
         self._logger.write(row)
         self._last = (now, steps)
-        self._publish_s, self._publishes = 0.0, 0
+        self._last_totals = totals
 
     def close(self) -> None:
         """Flushes the rows."""
         if self._logger is not None:
             self._logger.close()
+
+
+def _per_item(total: float, count: int) -> float:
+    return total / count if count > 0 else 0.0
 
 
 def drop_rows_after(path: Path, step: int) -> None:
@@ -216,7 +229,7 @@ def run_learner(
     drop_rows_after(results_dir / "learner.csv", learner.steps)
     start = time.monotonic()
     csv_log = LearnerLog(results_dir / "learner.csv", start, learner.steps)
-    csv_log.published(learner.publish(evaluation=True))
+    learner.publish(evaluation=True)
     report = StatusReport(learner, start, runtime.status_file(results_dir, "learner"))
     report("running")
     try:
@@ -232,12 +245,12 @@ def run_learner(
 def _after_step(learner: Learner, csv_log: LearnerLog, metrics: Dict[str, Any]) -> None:
     """What the periods ask for after SGD step `learner.steps`: publish, evaluate, checkpoint, log."""
     run, steps = learner.run, learner.steps
-    if steps % run.publish_period == 0 or steps % run.eval_period == 0:
-        csv_log.published(learner.publish(evaluation=steps % run.eval_period == 0))
+    if learner.publish_due() or steps % run.eval_period == 0:
+        learner.publish(evaluation=steps % run.eval_period == 0)
     if steps % run.checkpoint_period == 0:
         learner.checkpoint()
     if steps % LOG_EVERY_STEPS == 0:
-        csv_log.write(steps, learner.env_steps(), metrics)
+        csv_log.write(steps, learner.env_steps(), metrics, learner.publisher.totals())
 
 
 class StatusReport:
@@ -273,6 +286,8 @@ def _hand_over(learner: Learner, csv_log: LearnerLog, report: StatusReport, resu
                launcher_alive: Callable[[], bool]) -> None:
     """Final publication for the evaluator, a checkpoint (replay included), flushed logs; then the server goes."""
     learner.publish(evaluation=True)
+    if not learner.publisher.close(FINAL_PUBLISH_TIMEOUT_S):
+        log.warning("the final version was not published within %.0f s", FINAL_PUBLISH_TIMEOUT_S)
     learner.checkpoint()
     learner.checkpointer.close()
     csv_log.close()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, Dict, NamedTuple, Optional, Sequence
 
 from actorq_jax.replay.variables import PublishStats, VariablePublisher
 
@@ -34,6 +34,7 @@ class _Pending(NamedTuple):
     params: Any
     version: int
     evaluation: bool
+    meta: Optional[Dict[str, float]]
 
 
 class BackgroundPublisher:
@@ -58,19 +59,21 @@ class BackgroundPublisher:
         self._thread = threading.Thread(target=self._run, name="BackgroundPublisher", daemon=True)
         self._thread.start()
 
-    def submit(self, params: Any, version: int, evaluation: bool = False) -> None:
-        """Queues a version for publication and returns at once; replaces a queued, unsent one."""
+    def submit(self, params: Any, version: int, evaluation: bool = False,
+               meta: Optional[Dict[str, float]] = None) -> None:
+        """Queues a version (with `meta` numbers for the actors' payload) and returns at once; replaces an unsent one."""
         with self._cond:
             if self._closing:
                 raise RuntimeError("BackgroundPublisher is closed")
-            if version <= self._last_submitted:
-                raise ValueError(f"versions must increase: got {version} after {self._last_submitted}")
+            # The same version again is allowed (e.g. once more for the evaluator at shutdown); older ones are not.
+            if version < self._last_submitted:
+                raise ValueError(f"versions must not go back: got {version} after {self._last_submitted}")
             self._last_submitted = version
             if self._pending is not None:
                 self._dropped += 1
                 # The newer version stands in for the dropped one everywhere, the evaluator's table included.
                 evaluation = evaluation or self._pending.evaluation
-            self._pending = _Pending(params, int(version), evaluation)
+            self._pending = _Pending(params, int(version), evaluation, meta)
             self._cond.notify_all()
 
     def flush(self, timeout_s: Optional[float] = None) -> bool:
@@ -103,7 +106,7 @@ class BackgroundPublisher:
             start = time.perf_counter()
             stats: Optional[PublishStats] = None
             try:
-                stats = self._publishers[0].publish(job.params, job.version)
+                stats = self._publishers[0].publish(job.params, job.version, meta=job.meta)
                 if job.evaluation:
                     for publisher in self._publishers[1:]:
                         publisher.publish(job.params, job.version)
