@@ -32,7 +32,8 @@ def actors_view(run: Any) -> Callable[[Any], Any]:
     return lambda float_payload: load(quantize(dequantize(float_payload), wire))
 
 
-def run_evaluator(run: Any, agent_config: Any, address: str, stop: threading.Event) -> None:
+def run_evaluator(run: Any, agent_config: Any, address: str, stop: threading.Event,
+                  launcher_alive: Callable[[], bool] = lambda: True) -> None:
     """Evaluates every new float policy the learner publishes, and once more at shutdown."""
     from actorq_jax.environments import environment_spec, make_environment
     from actorq_jax.quantization import QuantConfig, dequantize, quantize
@@ -49,8 +50,10 @@ def run_evaluator(run: Any, agent_config: Any, address: str, stop: threading.Eve
     if run.actor_bits != 32:
         policies.append(("actor", run.actor_bits, actors_view(run)))
     wait_for_server(address, timeout_s=60.0)
-    # Refreshed by hand (update_period is irrelevant): the evaluator polls for new versions.
-    variables = VariableClient(address, runtime.EVAL_VARIABLES_TABLE, update_period=1, like=quantize(like, QuantConfig(bits=32)))
+    # Refreshed by hand (update_period is irrelevant): the evaluator polls for new versions. A learner that
+    # restarts is away for a moment: keep the last policy and go on rather than fail (errors are logged).
+    variables = VariableClient(address, runtime.EVAL_VARIABLES_TABLE, update_period=1,
+                               like=quantize(like, QuantConfig(bits=32)), raise_errors=False)
     # Wall time counts from the launcher's start, so eval.csv lines up with every other stream.
     start = float(runtime.read_status(results_dir, "launcher").get("start_time", time.time()))
     last_version: Optional[int] = None
@@ -63,10 +66,11 @@ def run_evaluator(run: Any, agent_config: Any, address: str, stop: threading.Eve
         while True:
             final = stop.is_set()
             if final:
-                # Wait for the learner's last publication before the final evaluation.
+                # Wait for the learner's last publication before the final evaluation (a launcher that
+                # is gone will release no learner: evaluate what there is).
                 deadline = time.monotonic() + 60
                 while runtime.read_status(results_dir, "learner").get("phase") not in ("final", "done"):
-                    if time.monotonic() > deadline:
+                    if time.monotonic() > deadline or not launcher_alive():
                         break
                     time.sleep(0.2)
             fetched = fetch()

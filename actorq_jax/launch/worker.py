@@ -69,7 +69,7 @@ def main(argv: Optional[list] = None) -> int:
     else:
         from actorq_jax.launch.evaluator import run_evaluator
 
-        target = lambda: run_evaluator(run, agent_config, args.server, stop)  # noqa: E731
+        target = lambda: run_evaluator(run, agent_config, args.server, stop, launcher_alive)  # noqa: E731
     # The evaluator's final evaluation runs after the stop request: give it time.
     return run_until_stopped(target, stop, grace_s=10.0 if args.role == "actor" else 600.0,
                              launcher_alive=launcher_alive)
