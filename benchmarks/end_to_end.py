@@ -122,7 +122,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--agent", default="d4pg", choices=sorted(AGENTS))
     parser.add_argument("--quick", action="store_true", help="1 seed of tiny networks and short budgets (a smoke test)")
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--max_seconds", type=float, default=None, help="budget per run (default 300; 25 with --quick)")
+    parser.add_argument("--max_seconds", type=float, default=None, help="budget per run (default 300; 45 with --quick)")
     parser.add_argument("--eval_period", type=int, default=None, help="learner steps between evaluations")
     parser.add_argument("--max_times_sampled", type=int, default=8, help="samples per replay item before removal")
     parser.add_argument("--target_fraction", type=float, default=0.9)
@@ -138,7 +138,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.seeds < 1 or args.max_times_sampled < 1:
         parser.error("--seeds and --max_times_sampled must be >= 1")
     seeds = 1 if args.quick else args.seeds
-    args.max_seconds = args.max_seconds or (25.0 if args.quick else 300.0)
+    args.max_seconds = args.max_seconds or (45.0 if args.quick else 300.0)
     args.eval_period = args.eval_period or (50 if args.quick else 500)
     threshold = args.target_fraction * AGENTS[args.agent]["target"]
     out = Path(args.results_dir or f"results/end_to_end_{time.strftime('%Y%m%d-%H%M%S')}").absolute()
