@@ -27,6 +27,7 @@
 #endif
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <condition_variable>
@@ -37,6 +38,7 @@
 #include <string>
 #include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -678,16 +680,59 @@ void QuantizeRows(const float* x, int64_t M, int64_t K, int64_t K4, int8_t* q, f
   }
 }
 
+#if ACTORQ_X86
+// QuantizeRows with AVX-512, bit for bit (max is exact in any order; cvtps
+// rounds half to even like the magic-number trick), each byte XORed with
+// `flip` (0x80 gives the VNNI path's unsigned activations). Scalar, it cost
+// more than the matrix product itself at batch 64 and small layers.
+__attribute__((target(kAvx512Target))) void QuantizeRowsAvx512(const float* x, int64_t M, int64_t K, int64_t K4,
+                                                               uint8_t flip, int8_t* q, float* sx) {
+  const __m512 lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
+  const __m128i flip16 = _mm_set1_epi8(static_cast<char>(flip));
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * K;
+    __m512 vmax = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+      const __mmask16 mk = static_cast<__mmask16>(K - k >= 16 ? 0xffffu : (1u << (K - k)) - 1u);
+      const __m512 v = _mm512_maskz_loadu_ps(mk, xr + k);
+      vmax = _mm512_max_ps(vmax, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), abs_mask)));
+    }
+    const float amax = _mm512_reduce_max_ps(vmax);
+    const float inv = amax > 0.f ? 127.0f / amax : 0.f;
+    sx[m] = amax / 127.0f;
+    const __m512 vinv = _mm512_set1_ps(inv);
+    int8_t* qr = q + m * K4 * 4;
+    for (int64_t k = 0; k < K4 * 4; k += 16) {
+      const int64_t left = std::min<int64_t>(16, K - k);
+      const __mmask16 mk = static_cast<__mmask16>(left >= 16 ? 0xffffu : left <= 0 ? 0u : (1u << left) - 1u);
+      const __m512 v = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, xr + k), vinv)));
+      const __m128i b = _mm_xor_si128(_mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)), flip16);
+      const int64_t width = std::min<int64_t>(16, K4 * 4 - k);  // the padding (zeros) is written too
+      _mm_mask_storeu_epi8(qr + k, static_cast<__mmask16>(width >= 16 ? 0xffffu : (1u << width) - 1u), b);
+    }
+  }
+}
+#endif
+
 // Quantizes x [M, K] per row into this thread's scratch, rows padded with zeros
-// to `ld` bytes (a multiple of 4); returns q and sets *sx. Thread-local: concurrent
-// executions each run on their own calling thread.
-int8_t* QuantizeToScratch(const float* x, int64_t M, int64_t K, int64_t ld, const float** sx) {
+// to `ld` bytes (a multiple of 4); returns q and sets *sx. On the AVX-512 path
+// every byte is XORed with `flip`. Thread-local: concurrent executions each run
+// on their own calling thread.
+int8_t* QuantizeToScratch(const float* x, int64_t M, int64_t K, int64_t ld, int64_t path, uint8_t flip,
+                          const float** sx) {
   thread_local std::vector<int8_t> q;
   thread_local std::vector<float> scales;
   q.resize(static_cast<size_t>(M * ld));
   scales.resize(static_cast<size_t>(M));
-  QuantizeRows(x, M, K, ld / 4, q.data(), scales.data());
   *sx = scales.data();
+#if ACTORQ_X86
+  if (path == kAvx512) {
+    QuantizeRowsAvx512(x, M, K, ld / 4, flip, q.data(), scales.data());
+    return q.data();
+  }
+#endif
+  QuantizeRows(x, M, K, ld / 4, q.data(), scales.data());
   return q.data();
 }
 
@@ -840,11 +885,167 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma"))) void W8A8VnniTil
   StoreIntRows512<R, U>(acc, offset, nullptr, sx, scale, bias, y, g.N, n0, ValidCols(n0, g.N));
 }
 
+// Multi-panel VNNI blocks (W8A8 and W4A8) for the full 16-column panels:
+// R rows x C panels of accumulators per block, so each weight vector loaded
+// serves R rows and each broadcast activation serves C panels (one panel at a
+// time ran out of load slots at batch 8-64: 9 loads per 8 dot products).
+// Row blocks run inside a column block of C panels, whose weights stay in L2,
+// so every weight is fetched from memory once per call whatever the batch.
+// Integer accumulation is exact, so the blocking changes no result: the
+// epilogue is the one-panel tiles' (StoreIntRows512), operation for operation.
+struct VnniArgs {
+  int64_t steps;    // W8A8: K / 4 groups of 4 k; W4A8: K8 / 8 blocks of 8 k
+  const uint8_t* q; // activations (W8A8: offset by +128; W4A8: signed), rows of ldq bytes
+  int64_t ldq;
+  const float* sx;
+  const int32_t* qsum;  // W4A8: row sums of q (for the +8 nibble offset)
+  const int8_t* w;      // panel 0 of the weights; panel p starts at w + p * wstride
+  int64_t wstride;
+  const int8_t* tails;  // W8A8 with K % 4 != 0: the last partial group, 64 bytes per panel from panel tail0
+  int64_t tail0;
+  const float* scale;
+  const float* bias;
+  const int32_t* colsum;
+  float* y;
+  int64_t ldy;
+};
+
+// acc += u8 a . s8 b, in place. As an intrinsic, GCC 12 copied every
+// accumulator to a fresh register and back around each vpdpbusd of a block.
+__attribute__((target(kAvx512Target), always_inline)) inline void Dpbusd(__m512i& acc, __m512i a, __m512i b) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+}
+
+// One step of k (4 for W8A8, 8 for W4A8) for R rows x C panels; w and q point at the step's data.
+template <bool kW4, int R, int C>
+__attribute__((target(kAvx512Target), always_inline)) inline void VnniStep(__m512i (&acc)[R][C], const int8_t* w,
+                                                                          int64_t wstride, const uint8_t* q,
+                                                                          int64_t ldq) {
+  if constexpr (kW4) {
+    const __m512i nib = _mm512_set1_epi8(15);
+    __m512i lo[C], hi[C];
+    #pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) {
+      const __m512i v = _mm512_loadu_si512(w + c * wstride);
+      lo[c] = _mm512_and_si512(v, nib);
+      hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+    }
+    #pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      int32_t x0, x1;
+      std::memcpy(&x0, q + r * ldq, 4);
+      std::memcpy(&x1, q + r * ldq + 4, 4);
+      const __m512i b0 = _mm512_set1_epi32(x0), b1 = _mm512_set1_epi32(x1);
+      #pragma GCC unroll 16
+      for (int c = 0; c < C; ++c) {
+        Dpbusd(acc[r][c], lo[c], b0);
+        Dpbusd(acc[r][c], hi[c], b1);
+      }
+    }
+  } else {
+    __m512i wv[C];
+    #pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_si512(w + c * wstride);
+    #pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      int32_t xv;
+      std::memcpy(&xv, q + r * ldq, 4);
+      const __m512i xb = _mm512_set1_epi32(xv);
+      #pragma GCC unroll 16
+      for (int c = 0; c < C; ++c) Dpbusd(acc[r][c], xb, wv[c]);
+    }
+  }
+}
+
+// Rows m0 .. m0 + R - 1 times panels pb .. pb + C - 1 (all full), stored with the bias; no activation.
+// One loop over k with the accumulators in one local array: with a second
+// (remainder) loop GCC kept the array in memory and stored it every step.
+template <bool kW4, int R, int C>
+__attribute__((target(kAvx512Target))) void VnniBlock(const VnniArgs& a, int64_t m0, int64_t pb) {
+  constexpr int64_t kStepBytes = kW4 ? 8 : 4;
+  const int64_t steps = a.steps + (!kW4 && a.tails != nullptr ? 1 : 0), ldq = a.ldq, wstride = a.wstride;
+  const uint8_t* q = a.q + m0 * ldq;
+  const int8_t* w = a.w + pb * wstride;
+  const int8_t* tail = kW4 || a.tails == nullptr ? nullptr : a.tails + (pb - a.tail0) * 64;
+  __m512i acc[R][C];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_si512();
+  for (int64_t s = 0; s < steps; ++s) {
+    if (R <= 2) {
+      // Few rows: the call streams weights from L3 or memory; prefetch well ahead of the hardware's guess.
+#pragma GCC unroll 16
+      for (int c = 0; c < C; ++c) _mm_prefetch(reinterpret_cast<const char*>(w + c * wstride + (s + 16) * 64), _MM_HINT_T0);
+    }
+    const bool in_tail = !kW4 && s == a.steps;  // W8A8's last partial group of 4 k, zero-padded
+    VnniStep<kW4, R, C>(acc, in_tail ? tail : w + s * 64, in_tail ? 64 : wstride, q + s * kStepBytes, ldq);
+  }
+#pragma GCC unroll 16
+  for (int c = 0; c < C; ++c) {
+    const int64_t n = (pb + c) * kPanel;
+    const __m512 sc = _mm512_loadu_ps(a.scale + n), b = _mm512_loadu_ps(a.bias + n);
+    const __m512i off = kW4 ? _mm512_setzero_si512() : _mm512_slli_epi32(_mm512_loadu_si512(a.colsum + n), 7);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      __m512i v = _mm512_sub_epi32(acc[r][c], off);
+      if (kW4) v = _mm512_sub_epi32(v, _mm512_set1_epi32(8 * a.qsum[m0 + r]));
+      const __m512 rs = _mm512_mul_ps(_mm512_set1_ps(a.sx[m0 + r]), sc);
+      _mm512_storeu_ps(a.y + (m0 + r) * a.ldy + n, _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), rs, b));
+    }
+  }
+}
+
+constexpr int kBlockRows = 8, kBlockPanels = 4;
+using VnniBlockFn = void (*)(const VnniArgs&, int64_t, int64_t);
+
+template <bool kW4, int C, size_t... R>
+constexpr std::array<VnniBlockFn, kBlockRows> VnniRowTable(std::index_sequence<R...>) {
+  return {&VnniBlock<kW4, static_cast<int>(R) + 1, C>...};
+}
+
+template <bool kW4, size_t... C>
+constexpr std::array<std::array<VnniBlockFn, kBlockRows>, kBlockPanels> VnniTable(std::index_sequence<C...>) {
+  return {VnniRowTable<kW4, static_cast<int>(C) + 1>(std::make_index_sequence<kBlockRows>())...};
+}
+
+// Full panels [p0, p1): column blocks of C panels, row blocks of up to 8 rows, then the activation.
+template <bool kW4>
+__attribute__((target(kAvx512Target))) void VnniPanels(const Geometry& g, const VnniArgs& a, int64_t p0, int64_t p1) {
+  static constexpr auto table = VnniTable<kW4>(std::make_index_sequence<kBlockPanels>());
+  // Accumulators, weights and broadcasts must fit the 32 zmm registers: R x C plus C (W4A8: 2C) plus 1-2.
+  const int C = g.M >= 4 ? (kW4 ? 2 : 3) : 4;
+  for (int64_t pb = p0; pb < p1; pb += C) {
+    const int64_t c = std::min<int64_t>(C, p1 - pb);
+    for (int64_t m0 = 0; m0 < g.M; m0 += kBlockRows) {
+      const int64_t r = std::min<int64_t>(kBlockRows, g.M - m0);
+      table[c - 1][r - 1](a, m0, pb);
+      if (g.act != kNone) ActRows512(a.y + m0 * a.ldy + pb * kPanel, a.ldy, r, c * kPanel, g.act);
+    }
+  }
+}
+
 __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma"))) void W8A8Vnni(
     const Geometry& g, int64_t K4, const uint8_t* qu, const float* sx, const int8_t* w,
     const float* scale, const float* bias, const int32_t* colsum, float* y, int64_t p0,
     int64_t p1) {
-  for (int64_t p = p0; p < p1; ++p) {
+  const int64_t full_end = std::max(p0, std::min(p1, g.N / kPanel));
+  if (full_end > p0) {
+    // The last partial group of 4 k of each full panel, zero-padded (the panels are read in place).
+    const int64_t G = g.K / 4, rem = g.K % 4;
+    thread_local std::vector<int8_t> tails;
+    if (rem) {
+      tails.assign(static_cast<size_t>((full_end - p0) * 4 * kPanel), 0);
+      for (int64_t p = p0; p < full_end; ++p)
+        for (int64_t j = 0; j < rem; ++j)
+          for (int64_t c = 0; c < kPanel; ++c)
+            tails[(p - p0) * 4 * kPanel + c * 4 + j] = w[p * kPanel * g.K + G * 4 * kPanel + j * kPanel + c];
+    }
+    const VnniArgs a{G, qu, K4 * 4, sx, nullptr, w, kPanel * g.K, rem ? tails.data() : nullptr, p0,
+                     scale, bias, colsum, y, g.N};
+    VnniPanels<false>(g, a, p0, full_end);
+  }
+  for (int64_t p = full_end; p < p1; ++p) {  // the narrow last panel, read in place with masked loads
     alignas(64) int8_t tail[4 * kPanel];
     const Segments s = W8A8PanelInPlace(w, g, p, tail);
     const int64_t n0 = p * kPanel;
@@ -1000,7 +1201,11 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma"))) void W4A8VnniTil
 __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma"))) void W4A8Vnni(
     const Geometry& g, int64_t K8, const int8_t* q, const int32_t* qsum, const float* sx, const uint8_t* w,
     const float* scale, const float* bias, float* y, int64_t p0, int64_t p1) {
-  for (int64_t p = p0; p < p1; ++p) {
+  const int64_t full_end = std::max(p0, std::min(p1, g.N / kPanel));
+  const VnniArgs a{K8 / 8, reinterpret_cast<const uint8_t*>(q), K8, sx, qsum, reinterpret_cast<const int8_t*>(w),
+                   8 * K8, nullptr, 0, scale, bias, nullptr, y, g.N};
+  VnniPanels<true>(g, a, p0, full_end);
+  for (int64_t p = full_end; p < p1; ++p) {  // the narrow last panel: masked epilogue
     const uint8_t* wp = w + p * 8 * K8;
     const int64_t n0 = p * kPanel;
     ForRowBlocks8(g, n0, y, [&](int64_t m0, auto R, auto U) __attribute__((target(kAvx512Target))) {
@@ -1141,7 +1346,7 @@ void RunDense(const Geometry& g, int64_t p, const float* x, const DenseOperands&
   if (d.op == kOpW4A8) {
     const int64_t K8 = (g.K + 7) / 8 * 8;
     const float* sx;
-    const int8_t* q = QuantizeToScratch(x, g.M, g.K, K8, &sx);
+    const int8_t* q = QuantizeToScratch(x, g.M, g.K, K8, p, 0, &sx);
     thread_local std::vector<int32_t> qsum;
     qsum.resize(static_cast<size_t>(g.M));
     for (int64_t m = 0; m < g.M; ++m) {
@@ -1162,10 +1367,8 @@ void RunDense(const Geometry& g, int64_t p, const float* x, const DenseOperands&
   }
   const int64_t K4 = (g.K + 3) / 4;
   const float* sx;
-  int8_t* q = QuantizeToScratch(x, g.M, g.K, K4 * 4, &sx);
-  if (p == kAvx512)
-    for (int64_t i = 0; i < g.M * K4 * 4; ++i) q[i] = static_cast<int8_t>(static_cast<uint8_t>(q[i]) ^ 0x80u);
-  const int8_t* qc = q;
+  // The VNNI path takes unsigned activations: q + 128, corrected by 128 * colsum (see W8A8VnniTile).
+  const int8_t* qc = QuantizeToScratch(x, g.M, g.K, K4 * 4, p, p == kAvx512 ? 0x80 : 0, &sx);
   ForPanels(g.P, g.M * g.K * g.N, [&](int64_t p0, int64_t p1) {
 #if ACTORQ_X86
     if (p == kAvx512)
