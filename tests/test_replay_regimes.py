@@ -91,3 +91,45 @@ def test_both_agents_build_the_paper_regime():
     assert (table.samples_per_insert, table.max_times_sampled) == (None, 8)
     default = _d4pg_builder().replay_config()
     assert (default.samples_per_insert, default.max_times_sampled) == (32.0, 0)
+
+
+def _timestep(step_type: int, observation_value: float):
+    import dm_env
+
+    return dm_env.TimeStep(dm_env.StepType(step_type), np.float32(0.0) if step_type else None,
+                           np.float32(1.0) if step_type else None, np.full(OBS_DIM, observation_value, np.float32))
+
+
+@pytest.mark.timeout(120)
+def test_adder_reports_the_time_the_rate_limiter_held_it():
+    import threading
+    import time
+
+    from actorq_jax.replay import NStepAdder
+
+    # Ratio 1 with a small buffer: once a few items are in, inserts wait for samples.
+    builder = _d4pg_builder(samples_per_insert=1.0, min_replay_size=2)
+    table = dataclasses.replace(builder.replay_config(), error_tolerance=2.0)
+    example = np.zeros(OBS_DIM, np.float32)
+    held_s = 1.0
+    with ReplayServer([make_replay_table(table, example, builder.example_action())]) as server:
+        client = server.client()
+        adder = NStepAdder(client, "replay", n_step=1, discount=0.9, max_in_flight_items=1, timeout_s=30)
+
+        def learner_after_a_while() -> None:
+            time.sleep(held_s)  # the learner is "stopped" this long, then samples freely
+            for _ in range(15):  # fewer than the 20 inserts: a sample beyond the ratio would block this thread
+                next(client.sample("replay", num_samples=1, emit_timesteps=False))
+
+        learner = threading.Thread(target=learner_after_a_while, daemon=True)
+        learner.start()
+        adder.add_first(_timestep(0, 0.0))
+        total = 0.0
+        for i in range(1, 21):
+            start = time.perf_counter()
+            adder.add(np.zeros(1, np.float32), _timestep(1 if i < 20 else 2, float(i)))
+            total += time.perf_counter() - start
+        adder.close()
+        learner.join(30)
+    # The write itself (the rest of `total`) is never negative, and the hold shows up as wait.
+    assert 0.8 * held_s <= adder.wait_s <= total

@@ -195,6 +195,8 @@ def actor_time_breakdown(actors: pd.DataFrame) -> pd.DataFrame:
     columns = ["task", "bits", "runs", "actor_steps"] + phase_columns + ["total_ms"]
     if actors.empty or "episode_length" not in actors.columns:
         return pd.DataFrame(columns=columns)
+    # Runs written before a phase existed (rate_limit_wait came later) count it as zero.
+    actors = actors.reindex(columns=list(dict.fromkeys([*actors.columns, *(f"{p}_s" for p in PHASES)])), fill_value=0.0)
     sums = actors.groupby(list(META_COLUMNS), sort=False)[["episode_length"] + [f"{p}_s" for p in PHASES]].sum()
     sums = sums[sums["episode_length"] > 0]
     per_run = pd.DataFrame({f"{p}_ms": 1000.0 * sums[f"{p}_s"] / sums["episode_length"] for p in PHASES})

@@ -19,8 +19,8 @@ from actorq_jax.analysis.aggregate import curve_band
 # Fixed colours so a bit-width looks the same in every figure.
 _BIT_COLORS = {32: "tab:blue", 16: "tab:orange", 8: "tab:green", 7: "tab:olive", 6: "tab:cyan", 5: "tab:pink",
                4: "tab:red", 3: "tab:purple", 2: "tab:brown"}
-_PHASE_COLORS = {"env_step": "#4c72b0", "inference": "#dd8452", "adder": "#8c8c8c", "pull": "#55a868",
-                 "deserialize": "#c44e52", "load": "#8172b3"}
+_PHASE_COLORS = {"env_step": "#4c72b0", "inference": "#dd8452", "adder": "#937860", "rate_limit_wait": "#c8c8c8",
+                 "pull": "#55a868", "deserialize": "#c44e52", "load": "#8172b3"}
 _X_LABELS = {"wall_seconds": "wall-clock time (s)", "env_steps": "environment steps",
              "learner_steps": "learner steps"}
 BANDS = ("minmax", "std")
@@ -79,16 +79,16 @@ def plot_return_curves(points: pd.DataFrame, x: str = "wall_seconds", targets: O
     return fig
 
 
-# Stacking order: the actor's own work first, the adder (which includes waiting on Reverb's rate limiter) on top.
-_STACK = ("env_step", "inference", "pull", "deserialize", "load", "adder")
-_WAIT_PHASES = ("adder",)
+# Stacking order: the actor's own work first, then the time Reverb's rate limiter held it (waiting on the learner).
+_STACK = ("env_step", "inference", "adder", "pull", "deserialize", "load", "rate_limit_wait")
+_WAIT_PHASES = ("rate_limit_wait",)
 
 
 def plot_actor_time(breakdown: pd.DataFrame) -> Figure:
-    """Stacked bars of actor time per env step by phase and bit-width: ms per step (left), share without the adder (right).
+    """Stacked bars of actor time per env step by phase and bit-width: ms per step (left), share without the wait (right).
 
-    The adder's time includes blocking on Reverb's rate limiter (waiting for
-    the learner), so the right panel shows how the actor's own work splits.
+    `rate_limit_wait` is time blocked by Reverb's rate limiter (waiting for the
+    learner), so the right panel shows how the actor's own work splits.
     """
     tasks = _tasks(breakdown)
     if not tasks:
@@ -106,7 +106,7 @@ def plot_actor_time(breakdown: pd.DataFrame) -> Figure:
         for phase in _STACK:
             ms = rows[f"{phase}_ms"].fillna(0.0).to_numpy()
             color = _PHASE_COLORS[phase]
-            label = "adder (incl. rate-limit wait)" if phase == "adder" else phase.replace("_", " ")
+            label = "replay write" if phase == "adder" else phase.replace("_", " ")
             ax_ms.bar(positions, ms, bottom=bottom_ms, color=color, label=label)
             bottom_ms += ms
             if phase in work:
@@ -118,7 +118,7 @@ def plot_actor_time(breakdown: pd.DataFrame) -> Figure:
             ax.grid(axis="y", alpha=0.3)
         ax_ms.set_ylabel("ms per actor env step")
         ax_ms.set_title(f"{task}: actor time per step")
-        ax_share.set_ylabel("% of actor time without the adder")
+        ax_share.set_ylabel("% of actor time without the rate-limit wait")
         ax_share.set_ylim(0, 100)
         ax_share.set_title(f"{task}: share of the actor's own work")
     handles, labels = axes[0][0].get_legend_handles_labels()

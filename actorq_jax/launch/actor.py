@@ -211,7 +211,10 @@ class Actor:
             with self.timer.phase("env_step"):
                 timestep = self.env.step(action)
             with self.timer.phase("adder"):
+                waited = self.adder.wait_s
                 written = self._write(lambda: self.adder.add(action, timestep))  # noqa: B023 (called at once)
+                # A reconnect replaces the adder (its wait starts again at 0): count no negative wait.
+                self.timer.add("rate_limit_wait", max(0.0, self.adder.wait_s - waited))
             if not written:
                 return None
             self.variables.update()
@@ -234,6 +237,8 @@ class Actor:
         self._timings_seen = len(timings)
         totals = self.timer.totals()
         self.timer.reset()
+        # The adder phase timed the whole call; its blocked part is reported as rate_limit_wait.
+        totals["adder"] = max(0.0, totals.get("adder", 0.0) - totals.get("rate_limit_wait", 0.0))
         return {
             "actor_id": self.actor_id,
             "episode": self.episodes,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import time
 from typing import Any, Deque, Dict, Optional, Tuple
 
 import numpy as np
@@ -74,6 +75,9 @@ class NStepAdder:
         self.items_written = 0
         self.steps_added = 0
         self.episodes = 0
+        # Seconds spent blocked until the server took our items: the rate limiter's hold when it refuses
+        # inserts (the learner is behind), otherwise about zero. The rest of a call's time is the write itself.
+        self.wait_s = 0.0
         self._start_episode_state()
 
     # -- public API -----------------------------------------------------------------
@@ -188,18 +192,24 @@ class NStepAdder:
 
     def _end_episode(self) -> None:
         self._close_step()
+        start = time.perf_counter()
         try:
             self._writer.end_episode(clear_buffers=True, timeout_ms=self._timeout_ms)
         except reverb.DeadlineExceededError as error:
             raise WriteTimeout(f"{self._client.server_address} did not confirm the episode's items "
                                f"within {self._timeout_ms} ms") from error
+        finally:
+            self.wait_s += time.perf_counter() - start
 
     def _flush(self, pending: int) -> None:
+        start = time.perf_counter()
         try:
             self._writer.flush(block_until_num_items=pending, timeout_ms=self._timeout_ms)
         except reverb.DeadlineExceededError as error:
             raise WriteTimeout(f"{self._client.server_address} did not confirm items "
                                f"within {self._timeout_ms} ms") from error
+        finally:
+            self.wait_s += time.perf_counter() - start
 
     def _append_observation(self, observation: Any, extra: Optional[Dict[str, Any]] = None) -> None:
         values = {"observation": self._cast("observation", observation)}

@@ -1,8 +1,9 @@
 """The columns of a run's CSV streams, written once for the processes that write them and the code that reads them."""
 
-# Phases an actor's time is split into (seconds per episode in actors/actor_<i>.csv), in the
-# order bars are stacked in the actor-time figure.
-ACTOR_PHASES = ("env_step", "inference", "adder", "pull", "deserialize", "load")
+# Phases an actor's time is split into (seconds per episode in actors/actor_<i>.csv). "adder" is the
+# replay write itself; "rate_limit_wait" the time the server held the actor's items back (Reverb's
+# rate limiter refusing inserts because the learner is behind): large means the learner bounds the run.
+ACTOR_PHASES = ("env_step", "inference", "adder", "rate_limit_wait", "pull", "deserialize", "load")
 
 # actors/actor_<i>.csv: one row per finished episode. rejected_payloads counts (cumulatively) the
 # variable payloads the actor refused (malformed, non-finite, or not fitting its network).
