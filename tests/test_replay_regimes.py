@@ -105,7 +105,7 @@ def test_adder_reports_the_time_the_rate_limiter_held_it():
     import threading
     import time
 
-    from actorq_jax.replay import NStepAdder
+    from actorq_jax.replay import NStepAdder, ReplayDataset
 
     # Ratio 1 with a small buffer: once a few items are in, inserts wait for samples.
     builder = _d4pg_builder(samples_per_insert=1.0, min_replay_size=2)
@@ -116,10 +116,14 @@ def test_adder_reports_the_time_the_rate_limiter_held_it():
         client = server.client()
         adder = NStepAdder(client, "replay", n_step=1, discount=0.9, max_in_flight_items=1, timeout_s=30)
 
+        done = threading.Event()
+
         def learner_after_a_while() -> None:
-            time.sleep(held_s)  # the learner is "stopped" this long, then samples freely
-            for _ in range(15):  # fewer than the 20 inserts: a sample beyond the ratio would block this thread
-                next(client.sample("replay", num_samples=1, emit_timesteps=False))
+            time.sleep(held_s)  # the learner is "stopped" this long, then samples as the limiter allows
+            while not done.is_set():
+                # A dataset ends once the limiter has refused it for 200 ms, so this thread never blocks for good.
+                for _ in ReplayDataset(server.address, "replay", batch_size=1, prefetch=0, rate_limiter_timeout_ms=200):
+                    pass
 
         learner = threading.Thread(target=learner_after_a_while, daemon=True)
         learner.start()
@@ -130,6 +134,7 @@ def test_adder_reports_the_time_the_rate_limiter_held_it():
             adder.add(np.zeros(1, np.float32), _timestep(1 if i < 20 else 2, float(i)))
             total += time.perf_counter() - start
         adder.close()
+        done.set()
         learner.join(30)
     # The write itself (the rest of `total`) is never negative, and the hold shows up as wait.
     assert 0.8 * held_s <= adder.wait_s <= total
