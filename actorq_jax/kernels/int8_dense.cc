@@ -584,6 +584,192 @@ __attribute__((target("avx2,fma"))) void W8A32Avx2(const Geometry& g, const floa
   }
 }
 
+// Multi-panel AVX-512 blocks (W8A8 and W4A8 with VNNI, W8A32 with FMA) for the
+// full 16-column panels: R rows x C panels of accumulators per block, so each
+// weight vector loaded serves R rows and each broadcast activation serves C
+// panels (one panel at a time ran out of load slots at batch 8-64: 9 loads per
+// 8 dot products).
+// Row blocks run inside a column block of C panels, whose weights stay in L2,
+// so every weight is fetched from memory once per call whatever the batch.
+// Integer accumulation is exact, so the blocking changes no result: the
+// epilogue is the one-panel tiles' (StoreIntRows512), operation for operation.
+enum BlockKind { kBlockW8A8 = 0, kBlockW4A8 = 1, kBlockW8A32 = 2 };
+
+struct BlockArgs {
+  int64_t steps;    // W8A8: K / 4 groups of 4 k; W4A8: K8 / 8 blocks of 8 k; W8A32: K
+  const uint8_t* q; // activations (W8A8: offset by +128; W4A8: signed), rows of ldq bytes
+  const float* xf;  // W8A32: float activations, rows of ldq floats
+  int64_t ldq;
+  const float* sx;
+  const int32_t* qsum;  // W4A8: row sums of q (for the +8 nibble offset)
+  const int8_t* w;      // panel 0 of the weights; panel p starts at w + p * wstride
+  int64_t wstride;
+  const int8_t* tails;  // W8A8 with K % 4 != 0: the last partial group, 64 bytes per panel from panel tail0
+  int64_t tail0;
+  const float* scale;
+  const float* bias;
+  const int32_t* colsum;
+  float* y;
+  int64_t ldy;
+};
+
+// acc += u8 a . s8 b, in place. As an intrinsic, GCC 12 copied every
+// accumulator to a fresh register and back around each vpdpbusd of a block.
+__attribute__((target(kAvx512Target), always_inline)) inline void Dpbusd(__m512i& acc, __m512i a, __m512i b) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+}
+
+// One step of k (4 for W8A8, 8 for W4A8) for R rows x C panels; w and q point at the step's data.
+template <bool kW4, int R, int C>
+__attribute__((target(kAvx512Target), always_inline)) inline void VnniStep(__m512i (&acc)[R][C], const int8_t* w,
+                                                                          int64_t wstride, const uint8_t* q,
+                                                                          int64_t ldq) {
+  if constexpr (kW4) {
+    const __m512i nib = _mm512_set1_epi8(15);
+    __m512i lo[C], hi[C];
+    #pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) {
+      const __m512i v = _mm512_loadu_si512(w + c * wstride);
+      lo[c] = _mm512_and_si512(v, nib);
+      hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+    }
+    #pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      int32_t x0, x1;
+      std::memcpy(&x0, q + r * ldq, 4);
+      std::memcpy(&x1, q + r * ldq + 4, 4);
+      const __m512i b0 = _mm512_set1_epi32(x0), b1 = _mm512_set1_epi32(x1);
+      #pragma GCC unroll 16
+      for (int c = 0; c < C; ++c) {
+        Dpbusd(acc[r][c], lo[c], b0);
+        Dpbusd(acc[r][c], hi[c], b1);
+      }
+    }
+  } else {
+    __m512i wv[C];
+    #pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_si512(w + c * wstride);
+    #pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      int32_t xv;
+      std::memcpy(&xv, q + r * ldq, 4);
+      const __m512i xb = _mm512_set1_epi32(xv);
+      #pragma GCC unroll 16
+      for (int c = 0; c < C; ++c) Dpbusd(acc[r][c], xb, wv[c]);
+    }
+  }
+}
+
+// W8A32: rows m0 .. m0 + R - 1 times panels pb .. pb + C - 1 (all full), stored with the bias.
+template <int R, int C>
+__attribute__((target(kAvx512Target))) void W8A32Block(const BlockArgs& a, int64_t m0, int64_t pb) {
+  const int64_t K = a.steps, ldq = a.ldq, wstride = a.wstride;
+  const float* x = a.xf + m0 * ldq;
+  const int8_t* w = a.w + pb * wstride;
+  __m512 acc[R][C];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 wv[C];
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c)
+      wv[c] = _mm512_cvtepi32_ps(
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c * wstride + k * kPanel))));
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512 xb = _mm512_set1_ps(x[r * ldq + k]);
+#pragma GCC unroll 16
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(xb, wv[c], acc[r][c]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int c = 0; c < C; ++c) {
+    const int64_t n = (pb + c) * kPanel;
+    const __m512 sc = _mm512_loadu_ps(a.scale + n), b = _mm512_loadu_ps(a.bias + n);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(a.y + (m0 + r) * a.ldy + n, _mm512_fmadd_ps(acc[r][c], sc, b));
+  }
+}
+
+// W8A8 / W4A8: rows m0 .. m0 + R - 1 times panels pb .. pb + C - 1 (all full), stored with the bias.
+// One loop over k with the accumulators in one local array: with a second
+// (remainder) loop GCC kept the array in memory and stored it every step.
+template <bool kW4, int R, int C>
+__attribute__((target(kAvx512Target))) void VnniBlock(const BlockArgs& a, int64_t m0, int64_t pb) {
+  constexpr int64_t kStepBytes = kW4 ? 8 : 4;
+  const int64_t steps = a.steps + (!kW4 && a.tails != nullptr ? 1 : 0), ldq = a.ldq, wstride = a.wstride;
+  const uint8_t* q = a.q + m0 * ldq;
+  const int8_t* w = a.w + pb * wstride;
+  const int8_t* tail = kW4 || a.tails == nullptr ? nullptr : a.tails + (pb - a.tail0) * 64;
+  __m512i acc[R][C];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_si512();
+  for (int64_t s = 0; s < steps; ++s) {
+    if (R <= 2) {
+      // Few rows: the call streams weights from L3 or memory; prefetch well ahead of the hardware's guess.
+#pragma GCC unroll 16
+      for (int c = 0; c < C; ++c) _mm_prefetch(reinterpret_cast<const char*>(w + c * wstride + (s + 16) * 64), _MM_HINT_T0);
+    }
+    const bool in_tail = !kW4 && s == a.steps;  // W8A8's last partial group of 4 k, zero-padded
+    VnniStep<kW4, R, C>(acc, in_tail ? tail : w + s * 64, in_tail ? 64 : wstride, q + s * kStepBytes, ldq);
+  }
+#pragma GCC unroll 16
+  for (int c = 0; c < C; ++c) {
+    const int64_t n = (pb + c) * kPanel;
+    const __m512 sc = _mm512_loadu_ps(a.scale + n), b = _mm512_loadu_ps(a.bias + n);
+    const __m512i off = kW4 ? _mm512_setzero_si512() : _mm512_slli_epi32(_mm512_loadu_si512(a.colsum + n), 7);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      __m512i v = _mm512_sub_epi32(acc[r][c], off);
+      if (kW4) v = _mm512_sub_epi32(v, _mm512_set1_epi32(8 * a.qsum[m0 + r]));
+      const __m512 rs = _mm512_mul_ps(_mm512_set1_ps(a.sx[m0 + r]), sc);
+      _mm512_storeu_ps(a.y + (m0 + r) * a.ldy + n, _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), rs, b));
+    }
+  }
+}
+
+template <int kKind, int R, int C>
+void Block(const BlockArgs& a, int64_t m0, int64_t pb) {
+  if constexpr (kKind == kBlockW8A32)
+    W8A32Block<R, C>(a, m0, pb);
+  else
+    VnniBlock<kKind == kBlockW4A8, R, C>(a, m0, pb);
+}
+
+constexpr int kBlockRows = 8, kBlockPanels = 4;
+using BlockFn = void (*)(const BlockArgs&, int64_t, int64_t);
+
+template <int kKind, int C, size_t... R>
+constexpr std::array<BlockFn, kBlockRows> BlockRowTable(std::index_sequence<R...>) {
+  return {&Block<kKind, static_cast<int>(R) + 1, C>...};
+}
+
+template <int kKind, size_t... C>
+constexpr std::array<std::array<BlockFn, kBlockRows>, kBlockPanels> BlockTable(std::index_sequence<C...>) {
+  return {BlockRowTable<kKind, static_cast<int>(C) + 1>(std::make_index_sequence<kBlockRows>())...};
+}
+
+// Full panels [p0, p1): column blocks of C panels, row blocks of up to 8 rows, then the activation.
+template <int kKind>
+__attribute__((target(kAvx512Target))) void BlockPanels(const Geometry& g, const BlockArgs& a, int64_t p0,
+                                                         int64_t p1) {
+  static constexpr auto table = BlockTable<kKind>(std::make_index_sequence<kBlockPanels>());
+  // Accumulators, weights and broadcasts must fit the 32 zmm registers: R x C plus C (W4A8: 2C) plus 1-2.
+  const int C = g.M >= 4 ? (kKind == kBlockW4A8 ? 2 : 3) : 4;
+  for (int64_t pb = p0; pb < p1; pb += C) {
+    const int64_t c = std::min<int64_t>(C, p1 - pb);
+    for (int64_t m0 = 0; m0 < g.M; m0 += kBlockRows) {
+      const int64_t r = std::min<int64_t>(kBlockRows, g.M - m0);
+      table[c - 1][r - 1](a, m0, pb);
+      if (g.act != kNone) ActRows512(a.y + m0 * a.ldy + pb * kPanel, a.ldy, r, c * kPanel, g.act);
+    }
+  }
+}
+
 // W8A32, AVX-512: one zmm holds a whole 16-column panel row.
 // A narrow last panel (width w < 16, rows of w bytes) is read in place with
 // masked loads, which zero the missing columns: no per-call copy.
@@ -641,7 +827,10 @@ void W8A32Avx512Panel(const Geometry& g, const float* x, const int8_t* wp, int64
 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma"))) void W8A32Avx512(
     const Geometry& g, const float* x, const int8_t* w, const float* scale, const float* bias,
     float* y, int64_t p0, int64_t p1) {
-  for (int64_t p = p0; p < p1; ++p) {
+  const int64_t full_end = std::max(p0, std::min(p1, g.N / kPanel));
+  const BlockArgs a{g.K, nullptr, x, g.K, nullptr, nullptr, w, kPanel * g.K, nullptr, 0, scale, bias, nullptr, y, g.N};
+  BlockPanels<kBlockW8A32>(g, a, p0, full_end);
+  for (int64_t p = full_end; p < p1; ++p) {  // the narrow last panel
     const int8_t* wp = w + p * kPanel * g.K;
     const int64_t n0 = p * kPanel, ldw = ValidCols(n0, g.N);
     const __mmask16 wmask = static_cast<__mmask16>((1u << ldw) - 1u);
@@ -885,146 +1074,6 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma"))) void W8A8VnniTil
   StoreIntRows512<R, U>(acc, offset, nullptr, sx, scale, bias, y, g.N, n0, ValidCols(n0, g.N));
 }
 
-// Multi-panel VNNI blocks (W8A8 and W4A8) for the full 16-column panels:
-// R rows x C panels of accumulators per block, so each weight vector loaded
-// serves R rows and each broadcast activation serves C panels (one panel at a
-// time ran out of load slots at batch 8-64: 9 loads per 8 dot products).
-// Row blocks run inside a column block of C panels, whose weights stay in L2,
-// so every weight is fetched from memory once per call whatever the batch.
-// Integer accumulation is exact, so the blocking changes no result: the
-// epilogue is the one-panel tiles' (StoreIntRows512), operation for operation.
-struct VnniArgs {
-  int64_t steps;    // W8A8: K / 4 groups of 4 k; W4A8: K8 / 8 blocks of 8 k
-  const uint8_t* q; // activations (W8A8: offset by +128; W4A8: signed), rows of ldq bytes
-  int64_t ldq;
-  const float* sx;
-  const int32_t* qsum;  // W4A8: row sums of q (for the +8 nibble offset)
-  const int8_t* w;      // panel 0 of the weights; panel p starts at w + p * wstride
-  int64_t wstride;
-  const int8_t* tails;  // W8A8 with K % 4 != 0: the last partial group, 64 bytes per panel from panel tail0
-  int64_t tail0;
-  const float* scale;
-  const float* bias;
-  const int32_t* colsum;
-  float* y;
-  int64_t ldy;
-};
-
-// acc += u8 a . s8 b, in place. As an intrinsic, GCC 12 copied every
-// accumulator to a fresh register and back around each vpdpbusd of a block.
-__attribute__((target(kAvx512Target), always_inline)) inline void Dpbusd(__m512i& acc, __m512i a, __m512i b) {
-  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
-}
-
-// One step of k (4 for W8A8, 8 for W4A8) for R rows x C panels; w and q point at the step's data.
-template <bool kW4, int R, int C>
-__attribute__((target(kAvx512Target), always_inline)) inline void VnniStep(__m512i (&acc)[R][C], const int8_t* w,
-                                                                          int64_t wstride, const uint8_t* q,
-                                                                          int64_t ldq) {
-  if constexpr (kW4) {
-    const __m512i nib = _mm512_set1_epi8(15);
-    __m512i lo[C], hi[C];
-    #pragma GCC unroll 16
-    for (int c = 0; c < C; ++c) {
-      const __m512i v = _mm512_loadu_si512(w + c * wstride);
-      lo[c] = _mm512_and_si512(v, nib);
-      hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-    }
-    #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      int32_t x0, x1;
-      std::memcpy(&x0, q + r * ldq, 4);
-      std::memcpy(&x1, q + r * ldq + 4, 4);
-      const __m512i b0 = _mm512_set1_epi32(x0), b1 = _mm512_set1_epi32(x1);
-      #pragma GCC unroll 16
-      for (int c = 0; c < C; ++c) {
-        Dpbusd(acc[r][c], lo[c], b0);
-        Dpbusd(acc[r][c], hi[c], b1);
-      }
-    }
-  } else {
-    __m512i wv[C];
-    #pragma GCC unroll 16
-    for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_si512(w + c * wstride);
-    #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      int32_t xv;
-      std::memcpy(&xv, q + r * ldq, 4);
-      const __m512i xb = _mm512_set1_epi32(xv);
-      #pragma GCC unroll 16
-      for (int c = 0; c < C; ++c) Dpbusd(acc[r][c], xb, wv[c]);
-    }
-  }
-}
-
-// Rows m0 .. m0 + R - 1 times panels pb .. pb + C - 1 (all full), stored with the bias; no activation.
-// One loop over k with the accumulators in one local array: with a second
-// (remainder) loop GCC kept the array in memory and stored it every step.
-template <bool kW4, int R, int C>
-__attribute__((target(kAvx512Target))) void VnniBlock(const VnniArgs& a, int64_t m0, int64_t pb) {
-  constexpr int64_t kStepBytes = kW4 ? 8 : 4;
-  const int64_t steps = a.steps + (!kW4 && a.tails != nullptr ? 1 : 0), ldq = a.ldq, wstride = a.wstride;
-  const uint8_t* q = a.q + m0 * ldq;
-  const int8_t* w = a.w + pb * wstride;
-  const int8_t* tail = kW4 || a.tails == nullptr ? nullptr : a.tails + (pb - a.tail0) * 64;
-  __m512i acc[R][C];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 16
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_si512();
-  for (int64_t s = 0; s < steps; ++s) {
-    if (R <= 2) {
-      // Few rows: the call streams weights from L3 or memory; prefetch well ahead of the hardware's guess.
-#pragma GCC unroll 16
-      for (int c = 0; c < C; ++c) _mm_prefetch(reinterpret_cast<const char*>(w + c * wstride + (s + 16) * 64), _MM_HINT_T0);
-    }
-    const bool in_tail = !kW4 && s == a.steps;  // W8A8's last partial group of 4 k, zero-padded
-    VnniStep<kW4, R, C>(acc, in_tail ? tail : w + s * 64, in_tail ? 64 : wstride, q + s * kStepBytes, ldq);
-  }
-#pragma GCC unroll 16
-  for (int c = 0; c < C; ++c) {
-    const int64_t n = (pb + c) * kPanel;
-    const __m512 sc = _mm512_loadu_ps(a.scale + n), b = _mm512_loadu_ps(a.bias + n);
-    const __m512i off = kW4 ? _mm512_setzero_si512() : _mm512_slli_epi32(_mm512_loadu_si512(a.colsum + n), 7);
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      __m512i v = _mm512_sub_epi32(acc[r][c], off);
-      if (kW4) v = _mm512_sub_epi32(v, _mm512_set1_epi32(8 * a.qsum[m0 + r]));
-      const __m512 rs = _mm512_mul_ps(_mm512_set1_ps(a.sx[m0 + r]), sc);
-      _mm512_storeu_ps(a.y + (m0 + r) * a.ldy + n, _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), rs, b));
-    }
-  }
-}
-
-constexpr int kBlockRows = 8, kBlockPanels = 4;
-using VnniBlockFn = void (*)(const VnniArgs&, int64_t, int64_t);
-
-template <bool kW4, int C, size_t... R>
-constexpr std::array<VnniBlockFn, kBlockRows> VnniRowTable(std::index_sequence<R...>) {
-  return {&VnniBlock<kW4, static_cast<int>(R) + 1, C>...};
-}
-
-template <bool kW4, size_t... C>
-constexpr std::array<std::array<VnniBlockFn, kBlockRows>, kBlockPanels> VnniTable(std::index_sequence<C...>) {
-  return {VnniRowTable<kW4, static_cast<int>(C) + 1>(std::make_index_sequence<kBlockRows>())...};
-}
-
-// Full panels [p0, p1): column blocks of C panels, row blocks of up to 8 rows, then the activation.
-template <bool kW4>
-__attribute__((target(kAvx512Target))) void VnniPanels(const Geometry& g, const VnniArgs& a, int64_t p0, int64_t p1) {
-  static constexpr auto table = VnniTable<kW4>(std::make_index_sequence<kBlockPanels>());
-  // Accumulators, weights and broadcasts must fit the 32 zmm registers: R x C plus C (W4A8: 2C) plus 1-2.
-  const int C = g.M >= 4 ? (kW4 ? 2 : 3) : 4;
-  for (int64_t pb = p0; pb < p1; pb += C) {
-    const int64_t c = std::min<int64_t>(C, p1 - pb);
-    for (int64_t m0 = 0; m0 < g.M; m0 += kBlockRows) {
-      const int64_t r = std::min<int64_t>(kBlockRows, g.M - m0);
-      table[c - 1][r - 1](a, m0, pb);
-      if (g.act != kNone) ActRows512(a.y + m0 * a.ldy + pb * kPanel, a.ldy, r, c * kPanel, g.act);
-    }
-  }
-}
-
 __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma"))) void W8A8Vnni(
     const Geometry& g, int64_t K4, const uint8_t* qu, const float* sx, const int8_t* w,
     const float* scale, const float* bias, const int32_t* colsum, float* y, int64_t p0,
@@ -1041,9 +1090,9 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma"))) void W8A8Vnni(
           for (int64_t c = 0; c < kPanel; ++c)
             tails[(p - p0) * 4 * kPanel + c * 4 + j] = w[p * kPanel * g.K + G * 4 * kPanel + j * kPanel + c];
     }
-    const VnniArgs a{G, qu, K4 * 4, sx, nullptr, w, kPanel * g.K, rem ? tails.data() : nullptr, p0,
-                     scale, bias, colsum, y, g.N};
-    VnniPanels<false>(g, a, p0, full_end);
+    const BlockArgs a{G, qu, nullptr, K4 * 4, sx, nullptr, w, kPanel * g.K, rem ? tails.data() : nullptr, p0,
+                      scale, bias, colsum, y, g.N};
+    BlockPanels<kBlockW8A8>(g, a, p0, full_end);
   }
   for (int64_t p = full_end; p < p1; ++p) {  // the narrow last panel, read in place with masked loads
     alignas(64) int8_t tail[4 * kPanel];
@@ -1202,9 +1251,9 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma"))) void W4A8Vnni(
     const Geometry& g, int64_t K8, const int8_t* q, const int32_t* qsum, const float* sx, const uint8_t* w,
     const float* scale, const float* bias, float* y, int64_t p0, int64_t p1) {
   const int64_t full_end = std::max(p0, std::min(p1, g.N / kPanel));
-  const VnniArgs a{K8 / 8, reinterpret_cast<const uint8_t*>(q), K8, sx, qsum, reinterpret_cast<const int8_t*>(w),
-                   8 * K8, nullptr, 0, scale, bias, nullptr, y, g.N};
-  VnniPanels<true>(g, a, p0, full_end);
+  const BlockArgs a{K8 / 8, reinterpret_cast<const uint8_t*>(q), nullptr, K8, sx, qsum,
+                    reinterpret_cast<const int8_t*>(w), 8 * K8, nullptr, 0, scale, bias, nullptr, y, g.N};
+  BlockPanels<kBlockW4A8>(g, a, p0, full_end);
   for (int64_t p = full_end; p < p1; ++p) {  // the narrow last panel: masked epilogue
     const uint8_t* wp = w + p * 8 * K8;
     const int64_t n0 = p * kPanel;
