@@ -69,8 +69,8 @@ class TinyBuilder(AgentBuilder):
     def actor_params(self, state):
         return state[0]
 
-    def behaviour_policy(self, actor_id, num_actors):
-        return lambda params, key, obs: jnp.argmax(self.actor_network.apply(params, obs[None])[0]).astype(jnp.int32)
+    def vector_behaviour_policy(self, actor_id, num_actors, envs_per_actor):
+        return lambda params, keys, obs: jnp.argmax(self.actor_network.apply(params, obs), axis=-1).astype(jnp.int32)
 
     def greedy_policy(self):
         return lambda params, obs: jnp.argmax(self.actor_network.apply(params, obs[None])[0]).astype(jnp.int32)
@@ -123,7 +123,7 @@ def test_a_registered_agent_runs_through_flags_config_json_and_its_builder(tiny_
     template = builder.params_template()
     assert jax.tree_util.tree_structure(template) == jax.tree_util.tree_structure(builder.actor_params(state))
     action = builder.behaviour_policy(0, 1)(builder.actor_params(state), jax.random.PRNGKey(1), jnp.zeros(4))
-    assert action.dtype == jnp.int32 and 0 <= int(action) < 2
+    assert action.dtype == jnp.int32 and 0 <= int(action) < 2  # the contract derives it from the vector policy
 
 
 def test_registered_agent_flags_are_validated_by_its_config(tiny_agent, tmp_path, capsys):
@@ -216,3 +216,30 @@ def test_run_config_rejects_bad_values_naming_the_flag():
     with pytest.raises(ValueError, match="--task"):
         RunConfig(task="", results_dir="r")
     assert RunConfig(task="CartPole-v1", results_dir="r", comm_bits=16).wire_bits == 16
+
+
+@pytest.mark.parametrize("agent", ["d4pg", "dqn"])
+def test_a_vector_policy_acts_for_k_environments_as_k_single_environment_actors(agent):
+    """Row k of one batched call equals what a one-environment actor in exploration slot k would do."""
+    from actorq_jax.agents.builder import exploration_slots, single_env
+
+    config_class = get_agent(agent).config_class
+    config = config_class(**({"policy_layers": (16,), "critic_layers": (16,), "sigma": 0.3, "sigma_spread": 1.0}
+                             if agent == "d4pg" else {"q_layers": (16,)}))
+    task = "cartpole_balance" if agent == "d4pg" else "CartPole-v1"
+    spec = environment_spec(make_environment(task, seed=0))
+    builder = runtime.make_builder(agent, config, spec)
+    params = builder.actor_params(builder.init_state(jax.random.PRNGKey(0)))
+    k, num_actors, actor_id = 3, 2, 1
+    observations = np.random.default_rng(0).normal(size=(k, spec.observation_dim)).astype(np.float32)
+    keys = jax.random.split(jax.random.PRNGKey(5), k)
+    batched = np.asarray(builder.vector_behaviour_policy(actor_id, num_actors, k)(params, keys, observations))
+    assert batched.shape[0] == k
+    # Env j of actor 1 (of 2, K = 3) explores as actor 3 + j of 6 would.
+    assert exploration_slots(actor_id, num_actors, k) == [(3, 6), (4, 6), (5, 6)]
+    for row, (slot, slots) in enumerate(exploration_slots(actor_id, num_actors, k)):
+        single = single_env(builder.vector_behaviour_policy(slot, slots, 1))
+        np.testing.assert_allclose(np.asarray(single(params, keys[row], observations[row])), batched[row],
+                                   atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="envs_per_actor"):
+        builder.vector_behaviour_policy(0, 1, 0)

@@ -14,6 +14,7 @@ import numpy as np
 import psutil
 import pytest
 
+from actorq_jax.agents.builder import single_env
 from actorq_jax.agents.dqn import acting, learning
 from actorq_jax.agents.dqn.builder import DQNBuilder
 from actorq_jax.agents.dqn.config import DQNConfig
@@ -152,11 +153,16 @@ def _observations(count: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).normal(size=(count, OBS_DIM)).astype(np.float32)
 
 
+def _behaviour(builder: DQNBuilder, epsilon: float):
+    """The one-environment epsilon-greedy policy at this epsilon."""
+    return single_env(acting.make_vector_behaviour_policy(builder.networks, [epsilon]))
+
+
 def test_epsilon_zero_is_greedy():
     builder = DQNBuilder(_tiny_config(), _spec())
     params = builder.init_state(jax.random.PRNGKey(2)).params
     greedy = builder.greedy_policy()
-    behaviour = acting.make_behaviour_policy(builder.networks, epsilon=0.0)
+    behaviour = _behaviour(builder, 0.0)
     keys = jax.random.split(jax.random.PRNGKey(3), 200)
     observations = _observations(200)
     expected = np.array([int(greedy(params, o)) for o in observations])
@@ -174,7 +180,7 @@ def test_epsilon_one_is_uniform_and_epsilon_half_mixes():
     observation = _observations(1)[0]
     greedy_action = int(builder.greedy_policy()(params, observation))
     keys = jax.random.split(jax.random.PRNGKey(5), 6000)
-    uniform = acting.make_behaviour_policy(builder.networks, epsilon=1.0)
+    uniform = _behaviour(builder, 1.0)
     actions = np.asarray(jax.vmap(uniform, in_axes=(None, 0, None))(params, keys, observation))
     assert actions.dtype == np.int32
     counts = np.bincount(actions, minlength=NUM_ACTIONS)
@@ -182,11 +188,11 @@ def test_epsilon_one_is_uniform_and_epsilon_half_mixes():
     chi_square = float(np.sum((counts - expected) ** 2 / expected))
     assert chi_square < 13.82, counts  # 99.9% quantile of chi-square with 2 degrees of freedom
     # epsilon 0.5: the greedy action has probability 0.5 + 0.5 / 3 = 2/3 (binomial sd ~ 0.006 here).
-    half = acting.make_behaviour_policy(builder.networks, epsilon=0.5)
+    half = _behaviour(builder, 0.5)
     actions = np.asarray(jax.vmap(half, in_axes=(None, 0, None))(params, keys, observation))
     assert abs(np.mean(actions == greedy_action) - 2 / 3) < 0.03
     with pytest.raises(ValueError, match="epsilon"):
-        acting.make_behaviour_policy(builder.networks, epsilon=1.5)
+        _behaviour(builder, 1.5)
 
 
 def test_same_seed_same_actions():

@@ -8,7 +8,7 @@ this class declares.
 """
 
 import abc
-from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import chex
 import jax
@@ -24,6 +24,25 @@ SgdStep = Callable[[Any, ReplayBatch], Tuple[Any, Metrics]]
 # `(params, key, observation) -> action` of an exploring actor; `(params, observation) -> action` greedy.
 BehaviourPolicy = Callable[[chex.ArrayTree, chex.PRNGKey, jnp.ndarray], jnp.ndarray]
 GreedyPolicy = Callable[[chex.ArrayTree, jnp.ndarray], jnp.ndarray]
+# `(params, keys[K], observations[K, obs]) -> actions[K, ...]`: K environments of one actor in one policy call,
+# each row with its own key and its own exploration.
+VectorPolicy = Callable[[chex.ArrayTree, jax.Array, jnp.ndarray], jnp.ndarray]
+
+
+def exploration_slots(actor_id: int, num_actors: int, envs_per_actor: int) -> List[Tuple[int, int]]:
+    """(slot, num_slots) of each environment of an actor: env k of actor i explores as actor i*K+k of N*K would.
+
+    With K = 1 that is the actor itself, so one environment per actor keeps the per-actor spread.
+    """
+    if envs_per_actor < 1:
+        raise ValueError(f"envs_per_actor must be >= 1, got {envs_per_actor}")
+    slots = num_actors * envs_per_actor
+    return [(actor_id * envs_per_actor + k, slots) for k in range(envs_per_actor)]
+
+
+def single_env(vector_policy: VectorPolicy) -> BehaviourPolicy:
+    """The one-environment form `(params, key, observation) -> action` of a K = 1 vector policy."""
+    return jax.jit(lambda params, key, observation: vector_policy(params, key[None], observation[None])[0])
 
 
 class AdderConfig(NamedTuple):
@@ -111,8 +130,13 @@ class AgentBuilder(abc.ABC):
     # -- actors and evaluator -------------------------------------------------------------
 
     @abc.abstractmethod
+    def vector_behaviour_policy(self, actor_id: int, num_actors: int, envs_per_actor: int) -> VectorPolicy:
+        """The exploring policy of an actor's K environments (see exploration_slots); ids beyond num_actors
+        (remote actors) act as the last one."""
+
     def behaviour_policy(self, actor_id: int, num_actors: int) -> BehaviourPolicy:
-        """The exploring policy of one actor; ids beyond num_actors (remote actors) act as the last one."""
+        """The exploring policy of a one-environment actor."""
+        return single_env(self.vector_behaviour_policy(actor_id, num_actors, 1))
 
     @abc.abstractmethod
     def greedy_policy(self) -> GreedyPolicy:

@@ -5,7 +5,7 @@ from typing import Tuple
 import chex
 import numpy as np
 
-from actorq_jax.agents.builder import AgentBuilder, BehaviourPolicy, GreedyPolicy, Metrics
+from actorq_jax.agents.builder import AgentBuilder, GreedyPolicy, Metrics, VectorPolicy, exploration_slots
 from actorq_jax.agents.d4pg import acting, learning
 from actorq_jax.agents.d4pg.config import D4PGConfig
 from actorq_jax.environments import EnvironmentSpec
@@ -36,9 +36,11 @@ class D4PGBuilder(AgentBuilder):
         """The parameters actors and evaluators run: the online policy's."""
         return state.policy_params
 
-    def behaviour_policy(self, actor_id: int, num_actors: int) -> BehaviourPolicy:
-        """Exploring policy of one actor (its sigma from the per-actor spread)."""
-        return acting.make_behaviour_policy(self.networks, self.config.actor_sigma(actor_id, num_actors))
+    def vector_behaviour_policy(self, actor_id: int, num_actors: int, envs_per_actor: int) -> VectorPolicy:
+        """Exploring policy of an actor's environments (each sigma from the per-actor spread over all of them)."""
+        slots = exploration_slots(actor_id, num_actors, envs_per_actor)
+        sigmas = [self.config.actor_sigma(slot, count) for slot, count in slots]
+        return acting.make_vector_behaviour_policy(self.networks, sigmas)
 
     def greedy_policy(self) -> GreedyPolicy:
         """Noise-free policy for evaluation."""

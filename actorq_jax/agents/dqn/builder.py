@@ -5,7 +5,14 @@ from typing import Optional, Tuple
 import chex
 import numpy as np
 
-from actorq_jax.agents.builder import AgentBuilder, BehaviourPolicy, GreedyPolicy, Metrics, PriorityUpdate
+from actorq_jax.agents.builder import (
+    AgentBuilder,
+    GreedyPolicy,
+    Metrics,
+    PriorityUpdate,
+    VectorPolicy,
+    exploration_slots,
+)
 from actorq_jax.agents.dqn import acting, learning
 from actorq_jax.agents.dqn.config import DQNConfig
 from actorq_jax.environments import EnvironmentSpec
@@ -47,9 +54,11 @@ class DQNBuilder(AgentBuilder):
         """The parameters actors and evaluators run: the online Q-network's."""
         return state.params
 
-    def behaviour_policy(self, actor_id: int, num_actors: int) -> BehaviourPolicy:
-        """Epsilon-greedy policy of one actor (its epsilon from the Ape-X spread)."""
-        return acting.make_behaviour_policy(self.networks, self.config.actor_epsilon(actor_id, num_actors))
+    def vector_behaviour_policy(self, actor_id: int, num_actors: int, envs_per_actor: int) -> VectorPolicy:
+        """Epsilon-greedy policy of an actor's environments (each epsilon from the Ape-X spread over all of them)."""
+        slots = exploration_slots(actor_id, num_actors, envs_per_actor)
+        epsilons = [self.config.actor_epsilon(slot, count) for slot, count in slots]
+        return acting.make_vector_behaviour_policy(self.networks, epsilons)
 
     def greedy_policy(self) -> GreedyPolicy:
         """Argmax-Q policy for evaluation."""
