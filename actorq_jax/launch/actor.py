@@ -62,9 +62,10 @@ class Link:
         except (reverb.DeadlineExceededError, RuntimeError):
             return False
 
-    def wait(self) -> bool:
-        """Blocks until the server answers (True) or stop is set (False); ServerGone past timeout_s."""
-        since = time.monotonic()
+    def wait(self, since: Optional[float] = None) -> bool:
+        """Blocks until the server answers (True) or stop is set (False); ServerGone once it has been
+        silent for timeout_s since `since` (default: now)."""
+        since = time.monotonic() if since is None else since
         counted = False
         while not self.stop.is_set():
             if self.reachable():
@@ -169,13 +170,15 @@ class Actor:
         from actorq_jax.replay import WriteTimeout
 
         outages = self.link.outages
+        # The server has not confirmed anything since the write that timed out began.
+        silent_since = time.monotonic() - ((self.adder.timeout_s or 0.0) if wait_for_writes else 0.0)
         while wait_for_writes and not self.stop.is_set() and self.link.reachable():
             try:
                 self.adder.wait()  # the rate limiter holds our items: the learner is busy, not gone
                 return True
             except WriteTimeout:
-                continue
-        if not self.link.wait():
+                silent_since = time.monotonic() - (self.adder.timeout_s or 0.0)
+        if not self.link.wait(since=silent_since):
             return False  # stopped while waiting
         if self.link.outages > outages:
             log.info("learner at %s answers again; reconnecting (params version %s)", self.address,
@@ -186,11 +189,11 @@ class Actor:
         self.abandoned += 1
         return False
 
-    def _close_adder(self) -> None:
+    def _close_adder(self, flush: bool = True) -> None:
         from actorq_jax.replay import WriteTimeout
 
         try:
-            self.adder.close()
+            self.adder.close(flush=flush)
         except (WriteTimeout, RuntimeError) as error:
             log.info("dropped unconfirmed items of %s: %s", self.address, error)
 
@@ -251,12 +254,12 @@ class Actor:
             **{f"{phase}_s": round(totals.get(phase, 0.0), 6) for phase in ACTOR_PHASES},
         }
 
-    def close(self) -> None:
-        """Stops the variable client and flushes the adder (bounded)."""
+    def close(self, server_gone: bool = False) -> None:
+        """Stops the variable client and flushes the adder (bounded; not at all when the server is gone)."""
         if self.variables is not None:
-            self.variables.stop()
+            self.variables.stop(timeout_s=0.5 if server_gone else None)
         if self.adder is not None:
-            self._close_adder()
+            self._close_adder(flush=not server_gone)
 
 
 def run_actor(
@@ -276,6 +279,7 @@ def run_actor(
     actor = Actor(run, agent_config, actor_id, address, stop, restart, server_timeout_s)
     # One row per episode, flushed at once: a killed actor loses no finished episode.
     logger = CsvLogger(Path(log_dir) / f"actor_{actor_id}.csv", ACTOR_FIELDS, flush_every_s=0)
+    gone: Optional[ServerGone] = None
     try:
         if not actor.connect():
             return 0
@@ -284,13 +288,13 @@ def run_actor(
             if row is not None:
                 logger.write(row)
         return 0
-    except ServerGone as gone:
-        log.error("%s", gone)
-        print(f"actor {actor_id}: {gone}", file=sys.stderr, flush=True)
+    except ServerGone as error:
+        gone = error
+        log.error("%s", gone)  # the one line that says why this actor stops
         return EXIT_SERVER_GONE
     finally:
         logger.close()
-        actor.close()
+        actor.close(server_gone=gone is not None)
 
 
 def fetch_config(address: str, timeout_s: float) -> str:

@@ -61,6 +61,7 @@ class NStepAdder:
             raise ValueError(f"max_in_flight_items must be >= 0, got {max_in_flight_items!r}")
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0 or None, got timeout_s={timeout_s!r}")
+        self.timeout_s = timeout_s
         self._timeout_ms = None if timeout_s is None else max(1, int(timeout_s * 1000))
         self._client = client
         self._table = table
@@ -158,11 +159,12 @@ class NStepAdder:
         finally:
             self._start_episode_state()
 
-    def close(self) -> None:
-        """Flushes created items (within timeout_s) and closes the writer."""
+    def close(self, flush: bool = True) -> None:
+        """Flushes created items (within timeout_s; not with flush=False) and closes the writer."""
         if self._writer is not None:
             try:
-                self._end_episode()
+                if flush:
+                    self._end_episode()
             finally:
                 self._writer.close()
                 self._writer = None

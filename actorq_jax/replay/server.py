@@ -6,7 +6,7 @@ import math
 import shutil
 import time
 from pathlib import Path
-from typing import Iterable, Optional, Sequence, Tuple
+from typing import Dict, Iterable, Optional, Sequence, Tuple
 
 import reverb
 
@@ -68,16 +68,25 @@ def prune_checkpoints(directory: Path, keep: Iterable[str]) -> None:
 _WORK_DIR = "reverb"
 
 
-def checkpoint_table_size(directory: Path, name: str, table: str) -> int:
-    """Items of `table` held by the Reverb checkpoint `name` in `directory` (read from its files)."""
+def checkpoint_items(directory: Path, name: str, table: str) -> Dict[int, float]:
+    """{key: priority} of the items of `table` in the replay checkpoint `name` in `directory` (read from its files)."""
     import tensorflow as tf
     from reverb.cc import schema_pb2
 
     items = Path(directory) / Path(name).name / "items.tfrecord"
     if not items.exists():
         raise FileNotFoundError(f"no Reverb checkpoint {name!r} in {directory}")
-    records = tf.data.TFRecordDataset(str(items), compression_type="ZLIB")
-    return sum(schema_pb2.PrioritizedItem.FromString(r.numpy()).table == table for r in records)
+    out = {}
+    for record in tf.data.TFRecordDataset(str(items), compression_type="ZLIB"):
+        item = schema_pb2.PrioritizedItem.FromString(record.numpy())
+        if item.table == table:
+            out[int(item.key)] = float(item.priority)
+    return out
+
+
+def checkpoint_table_size(directory: Path, name: str, table: str) -> int:
+    """Items of `table` held by the replay checkpoint `name` in `directory`."""
+    return len(checkpoint_items(directory, name, table))
 
 
 class ReplayServer:

@@ -1,0 +1,101 @@
+"""Helpers of the tests that start real runs (launcher, learner, actors) on localhost."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+import psutil
+
+from actorq_jax.telemetry import read_csv
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "MUJOCO_GL": "disable", "TF_CPP_MIN_LOG_LEVEL": "2"}
+# A D4PG run small enough for 2 cores: tiny networks, a short warm-up, frequent publications and checkpoints.
+TINY = [
+    "--task", "cartpole_balance", "--policy_layers", "16,16", "--critic_layers", "32,32",
+    "--batch_size", "16", "--min_replay_size", "100", "--samples_per_insert", "4",
+    "--publish_period", "5", "--update_period", "50", "--eval_period", "50", "--checkpoint_period", "100",
+]
+
+
+def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str, proc: Optional[subprocess.Popen] = None) -> Any:
+    """Polls `predicate` until it returns something truthy; AssertionError naming `what` past timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"launcher exited (code {proc.returncode}) while waiting for {what}")
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def rows(path: Path) -> List[Dict[str, Any]]:
+    """A CSV's rows, numbers parsed ([] before the file exists)."""
+    try:
+        return read_csv(path)
+    except FileNotFoundError:
+        return []
+
+
+def status(results: Path, role: str = "learner") -> Dict[str, Any]:
+    """A worker's last status report ({} before it wrote one)."""
+    try:
+        return json.loads((results / "status" / f"{role}.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def start_run(results: Path, *flags: str, script: str = "experiments/run_d4pg.py") -> subprocess.Popen:
+    """Starts a launcher (stdout and stderr merged, text)."""
+    return subprocess.Popen([sys.executable, script, *flags, "--results_dir", str(results)], cwd=ROOT, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def start_remote_actor(address: str, log_dir: Path, *flags: str) -> subprocess.Popen:
+    """Starts `python -m actorq_jax.launch.actor --server address` (stdout and stderr merged, text)."""
+    return subprocess.Popen([sys.executable, "-m", "actorq_jax.launch.actor", "--server", address,
+                             "--log_dir", str(log_dir), *flags],
+                            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def worker_process(launcher: psutil.Process, role: str, actor_id: Optional[int] = None,
+                   restart: int = 0) -> Optional[psutil.Process]:
+    """The launcher's child running `role` (and actor_id, restart), or None."""
+    for child in launcher.children(recursive=True):
+        try:
+            cmd = child.cmdline()
+        except psutil.NoSuchProcess:
+            continue
+        if "actorq_jax.launch.worker" not in cmd or role not in cmd:
+            continue
+        if actor_id is not None and cmd[cmd.index("--actor_id") + 1] != str(actor_id):
+            continue
+        if (int(cmd[cmd.index("--restart") + 1]) if "--restart" in cmd else 0) == restart:
+            return child
+    return None
+
+
+def alive(pids) -> List[int]:
+    """The pids that still run (zombies count as gone)."""
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def stop_all(*procs: Optional[subprocess.Popen]) -> None:
+    """Kills whatever the test started that still runs."""
+    for proc in procs:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,225 @@
+"""Faults lose nothing: a killed learner comes back with its replay, a killed launcher takes its workers
+with it, remote actors leave a dead learner with one clear line, bad payloads and config rows are refused.
+
+Real launchers, learners, actors and Reverb servers on localhost; each test bounded by pytest-timeout.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import psutil
+import pytest
+import reverb
+from launch_support import (
+    ENV,
+    ROOT,
+    TINY,
+    alive,
+    rows,
+    start_remote_actor,
+    start_run,
+    status,
+    stop_all,
+    wait_for,
+)
+
+from actorq_jax.launch import runtime
+from actorq_jax.launch.checkpoint import read_counters
+from actorq_jax.replay import ReplayServer, make_variables_table
+from actorq_jax.replay.server import checkpoint_items, checkpoint_table_size
+from actorq_jax.replay.variables import insert_wire
+
+
+def _monotonic(values, strict: bool = False) -> bool:
+    pairs = list(zip(values, values[1:]))
+    return all(b > a for a, b in pairs) if strict else all(b >= a for a, b in pairs)
+
+
+def _assert_counters_never_go_backwards(results) -> None:
+    learner = rows(results / "learner.csv")
+    assert learner, "no learner.csv rows"
+    assert _monotonic([r["learner_steps"] for r in learner], strict=True), [r["learner_steps"] for r in learner]
+    assert _monotonic([r["env_steps"] for r in learner]), [r["env_steps"] for r in learner]
+    for path in (results / "actors").glob("actor_*.csv"):
+        actor = rows(path)
+        assert all(set(r) and None not in r.values() for r in actor), f"malformed row in {path}"
+        assert _monotonic([r["env_steps"] for r in actor], strict=True), path
+
+
+def _replay_items(results, checkpoint: str) -> int:
+    return checkpoint_table_size(results / "replay_checkpoints", checkpoint, "replay")
+
+
+@pytest.mark.timeout(480)
+def test_killed_learner_comes_back_with_its_replay_and_actors_reconnect(tmp_path):
+    results, remote_dir = tmp_path / "run", tmp_path / "remote"
+    proc = start_run(results, *TINY, "--num_actors", "1", "--max_seconds", "400", "--server_timeout_s", "120",
+                     "--max_learner_restarts", "1")
+    remote = None
+    try:
+        first = wait_for(lambda: status(results).get("address") and status(results), 150, "the learner", proc)
+        remote = start_remote_actor(first["local_address"], remote_dir, "--actor_id", "7")
+        wait_for(lambda: read_counters(results / "checkpoints") and rows(remote_dir / "actor_7.csv"), 240,
+                 "a checkpoint and a remote episode", proc)
+        os.kill(first["pid"], signal.SIGKILL)
+        last = read_counters(results / "checkpoints")  # what the dead learner could prove
+        episodes = {p: len(rows(p)) for p in (results / "actors" / "actor_0.csv", remote_dir / "actor_7.csv")}
+        back = wait_for(lambda: status(results).get("pid") not in (None, first["pid"]) and status(results), 150,
+                        "the restarted learner", proc)
+        restored = back["restored"]
+        assert back["local_address"] == first["local_address"]  # the same port
+        assert restored["learner_steps"] == last["learner_steps"] and restored["checkpoint"] == last["replay_checkpoint"]
+        assert restored["items"] == _replay_items(results, last["replay_checkpoint"]) > 0
+        # The local actor and the remote one (both started before the crash) write again.
+        wait_for(lambda: all(len(rows(p)) > n for p, n in episodes.items()), 240, "episodes after the restart", proc)
+        assert status(results)["env_steps"] > restored["env_steps"]
+        assert remote.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=200)
+        assert proc.returncode == 0, out[-3000:]
+    finally:
+        stop_all(proc, remote)
+    summary = json.loads((results / "summary.json").read_text())
+    assert any("restart 1/1" in e for e in summary["events"]), summary["events"]
+    assert not any(e.startswith("actor_0 died") for e in summary["events"]), summary["events"]
+    _assert_counters_never_go_backwards(results)
+
+    # A stopped run resumes on its port with the replay of its final checkpoint.
+    final = read_counters(results / "checkpoints")
+    resumed = subprocess.run([sys.executable, "experiments/run_d4pg.py", "--resume", str(results),
+                              "--max_learner_steps", str(final["learner_steps"] + 50)],
+                             cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    again = status(results)
+    assert again["local_address"] == first["local_address"]
+    assert again["restored"]["learner_steps"] == final["learner_steps"]
+    assert again["restored"]["items"] == _replay_items(results, final["replay_checkpoint"]) > 0
+    assert json.loads((results / "summary.json").read_text())["learner_steps"] == final["learner_steps"] + 50
+    _assert_counters_never_go_backwards(results)
+
+
+@pytest.mark.timeout(360)
+def test_killed_launcher_takes_every_worker_and_remote_actors_leave(tmp_path):
+    results, remote_dir = tmp_path / "run", tmp_path / "remote"
+    proc = start_run(results, *TINY, "--num_actors", "1", "--max_seconds", "300")
+    remote = None
+    try:
+        first = wait_for(lambda: status(results).get("address") and status(results), 150, "the learner", proc)
+        remote = start_remote_actor(first["local_address"], remote_dir, "--actor_id", "7", "--server_timeout_s", "10")
+        wait_for(lambda: read_counters(results / "checkpoints") and rows(remote_dir / "actor_7.csv"), 240,
+                 "a checkpoint and a remote episode", proc)
+        workers = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+        assert len(workers) >= 3  # learner, actor, evaluator
+        proc.kill()  # as the OOM killer would
+        proc.wait()
+        wait_for(lambda: not alive(workers), 30, "every worker to exit")
+        learner_gone = time.monotonic()
+        out, _ = remote.communicate(timeout=60)
+        remote_left = time.monotonic() - learner_gone
+    finally:
+        stop_all(proc, remote)
+    # The learner's final checkpoint is there: at the step of its last report.
+    final = status(results)
+    assert final["phase"] == "done"
+    assert read_counters(results / "checkpoints")["learner_steps"] == final["learner_steps"]
+    # The remote actor said why in one line, within its timeout (+ 10 s), having logged every episode.
+    assert remote.returncode == 3, out[-2000:]
+    assert remote_left < 10 + 10, remote_left
+    lines = [line for line in out.splitlines() if "unreachable for" in line]
+    assert len(lines) == 1 and first["local_address"] in lines[0] and "last params version" in lines[0], out[-2000:]
+    assert "Traceback" not in out
+    episodes = [r["episode"] for r in rows(remote_dir / "actor_7.csv")]
+    assert episodes == list(range(1, len(episodes) + 1)) and episodes
+
+
+@pytest.mark.timeout(300)
+def test_malformed_payload_is_rejected_and_the_actor_keeps_its_parameters(tmp_path):
+    results = tmp_path / "run"
+    csv_path = results / "actors" / "actor_0.csv"
+    # The learner publishes only at its start, so the stray payload stays in the table until the end.
+    proc = start_run(results, *TINY, "--num_actors", "1", "--publish_period", "1000000", "--eval_period", "1000000",
+                     "--max_seconds", "300")
+    try:
+        address = wait_for(lambda: status(results).get("local_address"), 150, "the learner", proc)
+        wait_for(lambda: rows(csv_path), 150, "actor 0's first episode", proc)
+        insert_wire(reverb.Client(address), runtime.VARIABLES_TABLE,
+                    [np.frombuffer(b'{"format": "actorq-wire", "format_version": 1}', np.uint8)])
+        rejected_at = wait_for(lambda: next((i for i, r in enumerate(rows(csv_path)) if r["rejected_payloads"]), None),
+                               150, "the rejection in actor 0's CSV", proc)
+        wait_for(lambda: len(rows(csv_path)) > rejected_at + 1, 150, "an episode after the rejection", proc)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=200)
+        assert proc.returncode == 0, out[-3000:]
+    finally:
+        stop_all(proc)
+    summary = json.loads((results / "summary.json").read_text())
+    assert not any("died" in e for e in summary["events"]), summary["events"]
+    actor = rows(csv_path)
+    assert [r["rejected_payloads"] for r in actor[rejected_at:]] == [1] * len(actor[rejected_at:])
+    assert {r["params_version"] for r in actor} == {0}  # the last good parameters, kept
+    log = (results / "logs" / "actor_0.log").read_text()
+    assert log.count("rejected the variables payload") == 1
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("row", [b'{"run": {"agent": "d4pg"', b'{"run": {"agent": "nope"}, "agent": {}}', b"\xff\xfe"])
+def test_remote_actor_exits_clearly_on_a_malformed_config_row(tmp_path, row):
+    with ReplayServer([make_variables_table(runtime.CONFIG_TABLE)]) as server:
+        server.client().insert([np.frombuffer(row, np.uint8)], {runtime.CONFIG_TABLE: 1.0})
+        proc = subprocess.run([sys.executable, "-m", "actorq_jax.launch.actor", "--server", f"localhost:{server.port}",
+                               "--log_dir", str(tmp_path), "--server_timeout_s", "5"],
+                              cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "malformed row" in proc.stderr and f"localhost:{server.port}" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.timeout(300)
+def test_new_dqn_items_are_sampled_at_the_max_priority(tmp_path):
+    from actorq_jax.agents.dqn.config import DQNConfig
+    from actorq_jax.environments import environment_spec, make_environment
+    from actorq_jax.launch.actor import Actor
+    from actorq_jax.launch.config import RunConfig
+    from actorq_jax.launch.learner import Learner
+
+    run = RunConfig(agent="dqn", task="CartPole-v1", results_dir=str(tmp_path), num_actors=1, update_period=10)
+    # No insert/sample ratio: the actor here writes while the learner waits, and the reverse.
+    agent = DQNConfig(q_layers=(16, 16), batch_size=16, min_replay_size=50, rate_limiter="min_size",
+                      max_times_sampled=1000)
+    builder = runtime.make_builder("dqn", agent, environment_spec(make_environment("CartPole-v1", seed=0)))
+    learner = Learner(builder, run, tmp_path)
+    actor = None
+    try:
+        learner.publish()
+        assert learner.publisher.flush(timeout_s=60)
+        actor = Actor(run, agent, 0, f"localhost:{learner.server.port}", threading.Event())
+        assert actor.connect()
+        while learner.client.server_info(timeout=5)["replay"].current_size < 60:
+            actor.run_episode()  # written at priority 1.0: nothing was written back yet
+        old = checkpoint_items(learner.server.checkpoint_dir, learner.server.checkpoint("before"), "replay")
+        while learner.step() is None:
+            pass
+        for _ in range(4):
+            learner.step()
+        assert learner.max_priority > 1.0  # the TD errors of a fresh network on CartPole's rewards
+        learner.publish()  # the actors learn the max priority with the parameters
+        assert learner.publisher.flush(timeout_s=60)
+        actor.variables.update(wait=True)
+        assert actor.variables.meta == {"max_priority": learner.max_priority}
+        actor.run_episode()
+        items = checkpoint_items(learner.server.checkpoint_dir, learner.server.checkpoint("after"), "replay")
+        new = {key: priority for key, priority in items.items() if key not in old}
+        assert len(old) >= 60 and new
+        assert set(np.float32(list(new.values()))) == {np.float32(learner.max_priority)}
+    finally:
+        if actor is not None:
+            actor.close()
+        learner.publisher.close()
+        learner.checkpointer.close()
+        learner.server.stop()
