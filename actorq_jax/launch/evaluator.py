@@ -32,67 +32,74 @@ def actors_view(run: Any) -> Callable[[Any], Any]:
     return lambda float_payload: load(quantize(dequantize(float_payload), wire))
 
 
+class Evaluator:
+    """Greedy episodes of each policy (fp32, and the actors' view at actor_bits) for each new published version."""
+
+    def __init__(self, run: Any, agent_config: Any, address: str):
+        from actorq_jax.environments import environment_spec, make_environment
+        from actorq_jax.quantization import QuantConfig, dequantize, quantize
+        from actorq_jax.replay import VariableClient, wait_for_server
+
+        self.run = run
+        self.results_dir = Path(run.results_dir)
+        self.env = make_environment(run.task, seed=runtime.derive_seed(run.seed, 10_000))
+        builder = runtime.make_builder(run.agent, agent_config, environment_spec(self.env))
+        self.greedy = builder.greedy_policy()
+        self.policies = [("fp32", 32, dequantize)]
+        if run.actor_bits != 32:
+            self.policies.append(("actor", run.actor_bits, actors_view(run)))
+        wait_for_server(address, timeout_s=60.0)
+        # Refreshed by hand (update_period is irrelevant): the evaluator polls for new versions. A learner that
+        # restarts is away for a moment: keep the last policy and go on rather than fail (errors are logged).
+        self.variables = VariableClient(address, runtime.EVAL_VARIABLES_TABLE, update_period=1,
+                                        like=quantize(builder.params_template(), QuantConfig(bits=32)), raise_errors=False)
+        # Wall time counts from the launcher's start, so eval.csv lines up with every other stream.
+        self.start = float(runtime.read_status(self.results_dir, "launcher").get("start_time", time.time()))
+        self.last_version: Optional[int] = None
+
+    def fetch(self) -> Optional[Tuple[Any, int]]:
+        """The newest published float policy and its version (None before the first)."""
+        self.variables.refresh(timeout_s=60.0)
+        return None if self.variables.params is None else (self.variables.params, self.variables.version)
+
+    def evaluate(self, logger: Any, qparams: Any, version: int, final: bool) -> None:
+        """Runs eval_episodes greedy episodes per policy and writes one row each."""
+        env_steps = runtime.read_status(self.results_dir, "learner").get("env_steps", 0)
+        for name, bits, load in self.policies:
+            params = load(qparams)
+            for episode in range(self.run.eval_episodes):
+                logger.write({
+                    "wall_seconds": round(time.time() - self.start, 3), "env_steps": env_steps,
+                    "learner_steps": version, "policy": name, "bits": bits, "episode": episode,
+                    "return": run_episode(self.env, self.greedy, params), "final": int(final),
+                })
+        logger.flush()
+        self.last_version = version
+
+    def wait_for_final_publication(self, launcher_alive: Callable[[], bool], timeout_s: float = 60.0) -> None:
+        """Waits until the learner has made its last publication (not for a learner that no launcher releases)."""
+        deadline = time.monotonic() + timeout_s
+        while runtime.read_status(self.results_dir, "learner").get("phase") not in ("final", "done"):
+            if time.monotonic() > deadline or not launcher_alive():
+                return
+            time.sleep(0.2)
+
+
 def run_evaluator(run: Any, agent_config: Any, address: str, stop: threading.Event,
                   launcher_alive: Callable[[], bool] = lambda: True) -> None:
     """Evaluates every new float policy the learner publishes, and once more at shutdown."""
-    from actorq_jax.environments import environment_spec, make_environment
-    from actorq_jax.quantization import QuantConfig, dequantize, quantize
-    from actorq_jax.replay import VariableClient, wait_for_server
     from actorq_jax.telemetry import EVAL_FIELDS, CsvLogger
 
-    results_dir = Path(run.results_dir)
-    env = make_environment(run.task, seed=runtime.derive_seed(run.seed, 10_000))
-    spec = environment_spec(env)
-    builder = runtime.make_builder(run.agent, agent_config, spec)
-    greedy = builder.greedy_policy()
-    like = builder.params_template()
-    policies = [("fp32", 32, dequantize)]
-    if run.actor_bits != 32:
-        policies.append(("actor", run.actor_bits, actors_view(run)))
-    wait_for_server(address, timeout_s=60.0)
-    # Refreshed by hand (update_period is irrelevant): the evaluator polls for new versions. A learner that
-    # restarts is away for a moment: keep the last policy and go on rather than fail (errors are logged).
-    variables = VariableClient(address, runtime.EVAL_VARIABLES_TABLE, update_period=1,
-                               like=quantize(like, QuantConfig(bits=32)), raise_errors=False)
-    # Wall time counts from the launcher's start, so eval.csv lines up with every other stream.
-    start = float(runtime.read_status(results_dir, "launcher").get("start_time", time.time()))
-    last_version: Optional[int] = None
-
-    def fetch() -> Optional[Tuple[Any, int]]:
-        variables.refresh(timeout_s=60.0)
-        return None if variables.params is None else (variables.params, variables.version)
-
-    with CsvLogger(results_dir / "eval.csv", EVAL_FIELDS) as logger:
+    evaluator = Evaluator(run, agent_config, address)
+    with CsvLogger(evaluator.results_dir / "eval.csv", EVAL_FIELDS) as logger:
         while True:
             final = stop.is_set()
             if final:
-                # Wait for the learner's last publication before the final evaluation (a launcher that
-                # is gone will release no learner: evaluate what there is).
-                deadline = time.monotonic() + 60
-                while runtime.read_status(results_dir, "learner").get("phase") not in ("final", "done"):
-                    if time.monotonic() > deadline or not launcher_alive():
-                        break
-                    time.sleep(0.2)
-            fetched = fetch()
-            if fetched is not None and (fetched[1] != last_version or final):
-                qparams, version = fetched
-                env_steps = runtime.read_status(results_dir, "learner").get("env_steps", 0)
-                for name, bits, load in policies:
-                    params = load(qparams)
-                    for episode in range(run.eval_episodes):
-                        logger.write({
-                            "wall_seconds": round(time.time() - start, 3),
-                            "env_steps": env_steps,
-                            "learner_steps": version,
-                            "policy": name,
-                            "bits": bits,
-                            "episode": episode,
-                            "return": run_episode(env, greedy, params),
-                            "final": int(final),
-                        })
-                logger.flush()
-                last_version = version
+                evaluator.wait_for_final_publication(launcher_alive)
+            fetched = evaluator.fetch()
+            if fetched is not None and (fetched[1] != evaluator.last_version or final):
+                evaluator.evaluate(logger, *fetched, final=final)
             if final:
-                variables.stop()
+                evaluator.variables.stop()
                 return
             stop.wait(0.5)
