@@ -56,6 +56,43 @@ def receive(arrays, like):
     return jax.block_until_ready(dequantize(qparams)), version
 
 
+def _measure(params, configs, repeats: int, warmup: int):
+    """Payloads per bit-width and the interleaved send / receive times of every trial."""
+    # Warm-up (compiles every case) and a bit-exact sanity check of the round trip.
+    payload = {}
+    for b in BITS:
+        for _ in range(warmup):
+            payload[b] = publish(params, configs[b], version=b)
+            _, version = receive(payload[b], params)
+        assert version == b
+    send = {b: [] for b in BITS}
+    recv = {b: [] for b in BITS}
+    for trial in range(repeats):  # interleaved: every bit-width once per trial
+        for b in BITS:
+            t0 = time.perf_counter()
+            arrays = publish(params, configs[b], version=trial)
+            t1 = time.perf_counter()
+            receive(arrays, params)
+            t2 = time.perf_counter()
+            send[b].append(t1 - t0)
+            recv[b].append(t2 - t1)
+    return payload, send, recv
+
+
+def _rows(payload, send, recv, repeats: int) -> list:
+    """One table row per bit-width: bytes, ratio against 32 bits, median times."""
+    bytes32 = wire_nbytes(payload[32])
+    return [{
+        "bits": b,
+        "payload_bytes": wire_nbytes(payload[b]),
+        "bytes_ratio_vs_32": wire_nbytes(payload[b]) / bytes32,
+        "quantize_to_wire_ms": 1e3 * float(np.median(send[b])),
+        "from_wire_dequantize_ms": 1e3 * float(np.median(recv[b])),
+        "num_arrays": len(payload[b]),
+        "repeats": repeats,
+    } for b in BITS]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="few repeats (well under a minute)")
@@ -71,39 +108,8 @@ def main(argv=None) -> int:
     n_weights = sum(int(np.size(x)) for x in jax.tree_util.tree_leaves(params))
     configs = {b: QuantConfig(bits=b) for b in BITS}
 
-    # Warm-up (compiles every case) and a bit-exact sanity check of the round trip.
-    payload = {}
-    for b in BITS:
-        for _ in range(warmup):
-            payload[b] = publish(params, configs[b], version=b)
-            back, version = receive(payload[b], params)
-        assert version == b
-
-    send = {b: [] for b in BITS}
-    recv = {b: [] for b in BITS}
-    for trial in range(repeats):  # interleaved: every bit-width once per trial
-        for b in BITS:
-            t0 = time.perf_counter()
-            arrays = publish(params, configs[b], version=trial)
-            t1 = time.perf_counter()
-            receive(arrays, params)
-            t2 = time.perf_counter()
-            send[b].append(t1 - t0)
-            recv[b].append(t2 - t1)
-
-    bytes32 = wire_nbytes(payload[32])
-    rows = []
-    for b in BITS:
-        nbytes = wire_nbytes(payload[b])
-        rows.append({
-            "bits": b,
-            "payload_bytes": nbytes,
-            "bytes_ratio_vs_32": nbytes / bytes32,
-            "quantize_to_wire_ms": 1e3 * float(np.median(send[b])),
-            "from_wire_dequantize_ms": 1e3 * float(np.median(recv[b])),
-            "num_arrays": len(payload[b]),
-            "repeats": repeats,
-        })
+    payload, send, recv = _measure(params, configs, repeats, warmup)
+    rows = _rows(payload, send, recv, repeats)
     by_bits = {r["bits"]: r for r in rows}
     headline = {
         "wire_bytes_ratio_8bit": by_bits[8]["bytes_ratio_vs_32"],
