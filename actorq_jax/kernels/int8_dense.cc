@@ -660,6 +660,14 @@ __attribute__((target(kAvx512Target), always_inline)) inline void VnniStep(__m51
   }
 }
 
+template <typename V, int R, int C>
+__attribute__((target(kAvx512Target), always_inline)) inline void Fill(V (&acc)[R][C], V value) {
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) acc[r][c] = value;
+}
+
 // W8A32: rows m0 .. m0 + R - 1 times panels pb .. pb + C - 1 (all full), stored with the bias.
 template <int R, int C>
 __attribute__((target(kAvx512Target))) void W8A32Block(const BlockArgs& a, int64_t m0, int64_t pb) {
@@ -667,10 +675,7 @@ __attribute__((target(kAvx512Target))) void W8A32Block(const BlockArgs& a, int64
   const float* x = a.xf + m0 * ldq;
   const int8_t* w = a.w + pb * wstride;
   __m512 acc[R][C];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 16
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  Fill(acc, _mm512_setzero_ps());
   for (int64_t k = 0; k < K; ++k) {
     __m512 wv[C];
 #pragma GCC unroll 16
@@ -704,10 +709,7 @@ __attribute__((target(kAvx512Target))) void VnniBlock(const BlockArgs& a, int64_
   const int8_t* w = a.w + pb * wstride;
   const int8_t* tail = kW4 || a.tails == nullptr ? nullptr : a.tails + (pb - a.tail0) * 64;
   __m512i acc[R][C];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 16
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_si512();
+  Fill(acc, _mm512_setzero_si512());
   for (int64_t s = 0; s < steps; ++s) {
     if (R <= 2) {
       // Few rows: the call streams weights from L3 or memory; prefetch well ahead of the hardware's guess.

@@ -1,6 +1,6 @@
 """Network modules for D4PG (policy, distributional critic) and DQN (Q-network)."""
 
-from typing import Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import flax.linen as nn
 import jax
@@ -22,9 +22,10 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
         activation_fn(self.activation)  # fails early, naming a bad activation
-        if self.fuse_int8 and self._all_int8():
+        layers = _int8_torso_layers(self.variables.get("params", {}), self) if self.fuse_int8 else None
+        if layers is not None:
             # One FFI call per forward: per-layer calls cost XLA dispatch and fusions between them.
-            return kernels.int8_mlp(x, self._int8_layers())
+            return kernels.int8_mlp(x, layers)
         for i, size in enumerate(self.layer_sizes):
             if i == 0 and self.layer_norm:
                 # Normalising the first layer keeps the scale of raw observations out of the rest.
@@ -45,30 +46,42 @@ class MLP(nn.Module):
         """The activation after Dense_i (None after a final layer that is not activated)."""
         return self.activation if i < len(self.layer_sizes) - 1 or self.activate_final else None
 
-    def _all_int8(self) -> bool:
-        """Whether every Dense kernel is packed for the int8 kernel and has a bias (what int8_mlp runs)."""
-        params = self.variables.get("params", {})
-        return all(isinstance(params.get(f"Dense_{i}", {}).get("kernel"), kernels.Int8DenseWeight)
-                   and params[f"Dense_{i}"].get("bias") is not None for i in range(len(self.layer_sizes)))
-
-    def _int8_layers(self) -> list:
-        """The torso as int8_mlp layers, read from the same parameter tree the float path uses."""
-        params = self.variables["params"]
-        layers = []
-        for i in range(len(self.layer_sizes)):
-            p = params[f"Dense_{i}"]
-            if i == 0 and self.layer_norm:
-                norm = params["LayerNorm_0"]
-                layers += [kernels.MlpDense(p["kernel"], p["bias"]),
-                           kernels.MlpLayerNorm(norm["scale"], norm["bias"], nn.LayerNorm.epsilon, "tanh")]
-            else:
-                layers.append(kernels.MlpDense(p["kernel"], p["bias"], self._layer_activation(i)))
-        return layers
-
     def _runs_int8_kernels(self) -> bool:
         """Whether the first layer's weights are packed for the int8 kernel (an int8 actor's params)."""
         first = self.variables.get("params", {}).get("Dense_0", {})
         return isinstance(first.get("kernel"), kernels.Int8DenseWeight)
+
+
+def _is_int8_dense(params: Any) -> bool:
+    return isinstance(params.get("kernel"), kernels.Int8DenseWeight) and params.get("bias") is not None
+
+
+def _int8_torso_layers(params: Any, mlp: MLP) -> Optional[list]:
+    """``mlp`` as int8_mlp layers read from its parameters, or None unless every Dense is packed int8 with a bias."""
+    dense = [params.get(f"Dense_{i}", {}) for i in range(len(mlp.layer_sizes))]
+    if not dense or not all(_is_int8_dense(p) for p in dense):
+        return None  # no hidden layers (nothing to fuse), or float / quantized weights
+    layers = []
+    for i, p in enumerate(dense):
+        if i == 0 and mlp.layer_norm:
+            norm = params["LayerNorm_0"]
+            layers += [kernels.MlpDense(p["kernel"], p["bias"]),
+                       kernels.MlpLayerNorm(norm["scale"], norm["bias"], nn.LayerNorm.epsilon, "tanh")]
+        else:
+            layers.append(kernels.MlpDense(p["kernel"], p["bias"], mlp._layer_activation(i)))
+    return layers
+
+
+def _fused_int8_forward(
+    module: nn.Module, torso: MLP, x: jnp.ndarray, head_activation: Optional[str]
+) -> Optional[jnp.ndarray]:
+    """Torso and head as one int8_mlp call when all their Dense kernels are packed int8, else None."""
+    params = module.variables.get("params", {})
+    layers = _int8_torso_layers(params.get("torso", {}), torso) if torso.fuse_int8 else None
+    head = params.get("head", {})
+    if layers is None or not _is_int8_dense(head):
+        return None
+    return kernels.int8_mlp(x, layers + [kernels.MlpDense(head["kernel"], head["bias"], head_activation)])
 
 
 class PolicyNetwork(nn.Module):
@@ -80,13 +93,17 @@ class PolicyNetwork(nn.Module):
     activation: str = "relu"
     action_minimum: Optional[Tuple[float, ...]] = None
     action_maximum: Optional[Tuple[float, ...]] = None
+    fuse_int8: bool = True  # int8 params: torso and head as one kernel call
 
     @nn.compact
     def __call__(self, observation: jnp.ndarray) -> jnp.ndarray:
-        x = MLP(self.layer_sizes, self.activation, self.layer_norm, name="torso")(observation)
-        # A tiny head keeps the initial policy near the centre of the action range (as in Acme).
-        head_init = nn.initializers.variance_scaling(1e-4, "fan_in", "uniform")
-        x = Dense(self.action_dim, kernel_init=head_init, activation="tanh", name="head")(x)
+        torso = MLP(self.layer_sizes, self.activation, self.layer_norm, fuse_int8=self.fuse_int8, name="torso")
+        x = _fused_int8_forward(self, torso, observation, "tanh")
+        if x is None:
+            x = torso(observation)
+            # A tiny head keeps the initial policy near the centre of the action range (as in Acme).
+            head_init = nn.initializers.variance_scaling(1e-4, "fan_in", "uniform")
+            x = Dense(self.action_dim, kernel_init=head_init, activation="tanh", name="head")(x)
         if self.action_minimum is None or self.action_maximum is None:
             return x
         low = jnp.asarray(self.action_minimum, jnp.float32)
@@ -116,11 +133,15 @@ class QNetwork(nn.Module):
     layer_sizes: Sequence[int] = (256, 256)
     activation: str = "relu"
     layer_norm: bool = False
+    fuse_int8: bool = True  # int8 params: torso and head as one kernel call
 
     @nn.compact
     def __call__(self, observation: jnp.ndarray) -> jnp.ndarray:
-        x = MLP(self.layer_sizes, self.activation, self.layer_norm, name="torso")(observation)
-        return Dense(self.num_actions, name="head")(x)
+        torso = MLP(self.layer_sizes, self.activation, self.layer_norm, fuse_int8=self.fuse_int8, name="torso")
+        x = _fused_int8_forward(self, torso, observation, None)
+        if x is None:
+            x = Dense(self.num_actions, name="head")(torso(observation))
+        return x
 
 
 def value_atoms(v_min: float, v_max: float, num_atoms: int) -> jnp.ndarray:
