@@ -1,0 +1,128 @@
+"""Where the launcher's worker processes run: one interface, two backends.
+
+The launcher decides *what* runs (a learner, N actors, an evaluator), watches
+them, restarts them and stops them in order; a placement decides *where* and
+*how* one worker process is started, polled, signalled and killed, where its
+files go, and how energy is measured. `LocalPlacement` starts subprocesses on
+this machine writing straight into the results directory; `RayPlacement`
+(launch/ray_placement.py) starts the same worker command inside Ray actors on
+a cluster's nodes and mirrors their files into the results directory.
+
+A started worker is a `WorkerProcess`: the subset of `subprocess.Popen` the
+launcher uses (pid, returncode, poll, wait, send_signal, kill), so the watch,
+restart and shutdown logic reads the same under every backend.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Protocol
+
+WORKER_MODULE = "actorq_jax.launch.worker"
+LAUNCHERS = ("local", "ray")
+
+
+class WorkerProcess(Protocol):
+    """A started worker process, wherever it runs (the part of subprocess.Popen the launcher uses)."""
+
+    pid: int
+    returncode: Optional[int]
+
+    def poll(self) -> Optional[int]:
+        """The exit code, or None while it runs."""
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        """Waits for the exit code; subprocess.TimeoutExpired past `timeout`."""
+
+    def send_signal(self, sig: int) -> None:
+        """Sends a signal (SIGTERM asks for an orderly stop)."""
+
+    def kill(self) -> None:
+        """Kills it at once."""
+
+
+class EnergyMeter(Protocol):
+    """Energy measured over a run: start(), then stop() -> {energy_kwh, emissions_kg, duration_s}."""
+
+    def start(self) -> None:
+        """Starts measuring."""
+
+    def stop(self) -> Dict[str, float]:
+        """Stops measuring and returns the figures (NaN where unmeasured)."""
+
+
+def worker_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """The environment of a worker process: this one's, headless physics, quiet TensorFlow."""
+    env = {**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "disable"), "TF_CPP_MIN_LOG_LEVEL": "2"}
+    env.update(extra or {})
+    return env
+
+
+def worker_command(role: str, parent_pid: int, results_dir: Path, args: List[str]) -> List[str]:
+    """`python -m actorq_jax.launch.worker ROLE ...` for a worker whose parent is `parent_pid`."""
+    return [sys.executable, "-m", WORKER_MODULE, role, "--parent_pid", str(parent_pid),
+            "--results_dir", str(results_dir), *args]
+
+
+class Placement:
+    """How the launcher's workers are placed; the base class is the local one (subprocesses of this process)."""
+
+    name = "local"
+
+    def __init__(self, run: Any, results_dir: Path):
+        self.run = run
+        self.results_dir = Path(results_dir)
+
+    def open(self) -> None:
+        """Prepares the backend (nothing for local subprocesses)."""
+
+    def start(self, name: str, role: str, args: List[str]) -> WorkerProcess:
+        """Starts worker `name` (role learner/actor/evaluator) with worker flags `args`; logs to logs/<name>.log."""
+        raise NotImplementedError
+
+    def learner_server(self, status: Dict[str, Any]) -> str:
+        """The Reverb address the run's actors and evaluator use, from the learner's status report."""
+        raise NotImplementedError
+
+    def energy_meter(self, country: str) -> EnergyMeter:
+        """What measures the run's energy (writes emissions.csv into the results directory)."""
+        from actorq_jax.telemetry import EnergyTracker
+
+        # Machine mode: per-process tracking would miss the other processes of the run.
+        return EnergyTracker(self.results_dir, country_iso_code=country, tracking_mode="machine")
+
+    def sync(self) -> None:
+        """Brings the results directory up to date with the workers' files (nothing to do locally)."""
+
+    def close(self) -> None:
+        """Releases the backend once every worker has exited; the results directory is complete after it."""
+
+
+class LocalPlacement(Placement):
+    """Workers are subprocesses of the launcher on this machine, writing into the results directory."""
+
+    name = "local"
+
+    def start(self, name: str, role: str, args: List[str]) -> WorkerProcess:
+        """Starts `python -m actorq_jax.launch.worker ROLE ...` here, its output appended to logs/<name>.log."""
+        log_path = self.results_dir / "logs" / f"{name}.log"
+        with open(log_path, "ab") as log_file:
+            return subprocess.Popen(worker_command(role, os.getpid(), self.results_dir, args),
+                                    stdout=log_file, stderr=subprocess.STDOUT, env=worker_env())
+
+    def learner_server(self, status: Dict[str, Any]) -> str:
+        """Local workers reach the learner on localhost."""
+        return str(status["local_address"])
+
+
+def make_placement(run: Any, results_dir: Path) -> Placement:
+    """The placement `run.launcher` names (local unless --launcher ray)."""
+    launcher = getattr(run, "launcher", "local")
+    if launcher == "ray":
+        from actorq_jax.launch.ray_placement import RayPlacement
+
+        return RayPlacement(run, results_dir)
+    if launcher != "local":
+        raise ValueError(f"--launcher: {launcher!r} not in {LAUNCHERS}")
+    return LocalPlacement(run, results_dir)
