@@ -107,6 +107,37 @@ def actor_precision(bits: int, granularity: str, backend: str, int8_mode: str = 
     return ActorPrecision(actor_bits=bits, comm_bits=bits, granularity=granularity, backend=backend, int8_mode=int8_mode)
 
 
+def evaluate_setting(run: Any, args: argparse.Namespace, greedy: Any, params: Any, bits: int, granularity: str,
+                     env_seed: int, step: Optional[int]) -> Dict[str, Any]:
+    """One table row: the policy quantized at (bits, granularity), run as actors would, for args.episodes episodes."""
+    import numpy as np
+
+    from actorq_jax.environments import make_environment
+    from actorq_jax.launch.evaluator import run_episode
+    from actorq_jax.launch.precision import make_param_loader
+    from actorq_jax.quantization import QuantConfig, dequantize, quantize
+
+    kwargs = {} if args.min_size is None else {"min_size": args.min_size}
+    qparams = quantize(params, QuantConfig(bits=bits, granularity=granularity, **kwargs))
+    precision = actor_precision(bits, granularity, args.backend, run.int8_mode)
+    # Sent and run at the same bits, the loader runs these weights as they are (no requantization).
+    runnable = make_param_loader(precision)(qparams)
+    # A fresh environment with the same seed: every setting plays the same episode starts.
+    env = make_environment(run.task, seed=env_seed)
+    returns = np.array([run_episode(env, greedy, runnable) for _ in range(args.episodes)])
+    row = {
+        "bits": bits, "granularity": granularity, "backend": precision.backend,
+        "kernel_mode": precision.kernel_mode() if precision.backend == "int8" else "",
+        "episodes": args.episodes, "mean_return": float(returns.mean()),
+        "std_return": float(returns.std(ddof=1)) if len(returns) > 1 else 0.0,
+        "min_return": float(returns.min()), "max_return": float(returns.max()),
+        **weight_stats(params, qparams, dequantize(qparams)),
+        "checkpoint_step": step,
+    }
+    print(f"[ptq] {granularity:11s} q={bits:<2d} return {returns.mean():9.2f} +- {row['std_return']:.2f}", flush=True)
+    return row
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Runs the sweep, writes the CSV and the plot, prints the table."""
     args = parse(argv)
@@ -114,7 +145,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out = Path(args.out) if args.out else run_dir / "ptq.csv"
 
     import jax
-    import numpy as np
     import pandas as pd
 
     from actorq_jax.analysis import plot_ptq, save_figure
@@ -122,9 +152,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from actorq_jax.launch import runtime
     from actorq_jax.launch.checkpoint import Checkpointer
     from actorq_jax.launch.config import config_from_json
-    from actorq_jax.launch.evaluator import run_episode
-    from actorq_jax.launch.precision import make_param_loader
-    from actorq_jax.quantization import QuantConfig, dequantize, quantize
 
     run, agent_config = config_from_json((run_dir / "config.json").read_text())
     env_seed = runtime.derive_seed(args.seed, 20_000)
@@ -138,33 +165,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"ptq_sweep: --checkpoint: no checkpoint saved under {run_dir / 'checkpoints'}", file=sys.stderr)
         return 2
     params = builder.actor_params(restored[0])
-    greedy = builder.greedy_policy()
-    rows = []
-    for granularity in args.granularity:
-        for bits in sorted(args.bits):
-            kwargs = {} if args.min_size is None else {"min_size": args.min_size}
-            qparams = quantize(params, QuantConfig(bits=bits, granularity=granularity, **kwargs))
-            precision = actor_precision(bits, granularity, args.backend, run.int8_mode)
-            # Sent and run at the same bits, the loader runs these weights as they are (no requantization).
-            runnable = make_param_loader(precision)(qparams)
-            # A fresh environment with the same seed: every setting plays the same episode starts.
-            env = make_environment(run.task, seed=env_seed)
-            returns = np.array([run_episode(env, greedy, runnable) for _ in range(args.episodes)])
-            rows.append({
-                "bits": bits,
-                "granularity": granularity,
-                "backend": precision.backend,
-                "kernel_mode": precision.kernel_mode() if precision.backend == "int8" else "",
-                "episodes": args.episodes,
-                "mean_return": float(returns.mean()),
-                "std_return": float(returns.std(ddof=1)) if len(returns) > 1 else 0.0,
-                "min_return": float(returns.min()),
-                "max_return": float(returns.max()),
-                **weight_stats(params, qparams, dequantize(qparams)),
-                "checkpoint_step": step,
-            })
-            print(f"[ptq] {granularity:11s} q={bits:<2d} return {returns.mean():9.2f} +- {rows[-1]['std_return']:.2f}",
-                  flush=True)
+    rows = [evaluate_setting(run, args, builder.greedy_policy(), params, bits, granularity, env_seed, step)
+            for granularity in args.granularity for bits in sorted(args.bits)]
     table = pd.DataFrame(rows, columns=list(COLUMNS))
     out.parent.mkdir(parents=True, exist_ok=True)
     table.to_csv(out, index=False)
