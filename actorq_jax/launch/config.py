@@ -13,6 +13,7 @@ from actorq_jax.quantization.config import GRANULARITIES, INT_BITS, VALID_BITS
 BACKENDS = ("auto", "fp32", "fakequant", "int8")
 INT8_MODES = ("w8a8", "w8a32")
 BUDGETS = ("max_env_steps", "max_learner_steps", "max_seconds")
+LAUNCHERS = ("local", "ray")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +57,17 @@ class RunConfig:
     server_timeout_s: float = documented(
         60.0, "seconds an actor keeps reconnecting to an unreachable learner before it exits non-zero")
     port: int = documented(0, "Reverb port of the learner (0: a free one)")
+    launcher: str = documented(
+        "local", f"where workers run, one of {LAUNCHERS}: local subprocesses, or Ray actors on a cluster's nodes")
+    ray_address: str = documented(
+        "", "Ray cluster to join with --launcher ray: 'auto' or HOST:PORT of its head "
+            "(default: a Ray instance on this machine, started and stopped with the run)")
+    learner_resources: str = documented(
+        "", "Ray resources the learner needs, e.g. GPU=1 or CPU=2,learner_node=1 (--launcher ray)")
+    actor_resources: str = documented("", "Ray resources each actor needs, e.g. CPU=1 or actor_node=1 (--launcher ray)")
+    advertise_host: str = documented(
+        "", "host part of the learner's Reverb address other machines use (default: this machine's name; under Ray "
+            "its node's IP). Reverb's port has no authentication: keep a cluster on a trusted network")
     resume: bool = documented(False, "continue from results_dir's last checkpoint (the flag is --resume RESULTS_DIR)",
                               flag=False)
 
@@ -101,6 +113,15 @@ def run_config_problems(run: Any) -> List[Tuple[str, str]]:
         try:
             if getattr(run, name):
                 parse_cpu_list(getattr(run, name))
+        except ValueError as error:
+            problems.append((name, str(error)))
+    if run.launcher not in LAUNCHERS:
+        problems.append(("launcher", f"{run.launcher!r} not in {LAUNCHERS}"))
+    for name in ("learner_resources", "actor_resources"):
+        from actorq_jax.launch.ray_placement import parse_resources  # imports no Ray at module level
+
+        try:
+            parse_resources(getattr(run, name))
         except ValueError as error:
             problems.append((name, str(error)))
     if not run.server_timeout_s > 0:

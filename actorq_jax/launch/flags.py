@@ -49,6 +49,10 @@ def parse_run(agent: str, argv: Optional[Sequence[str]], description: Optional[s
     probe = argparse.Namespace(**values)
     for flag, message in run_config_problems(probe):
         parser.error(f"--{flag}: {message}")
+    from actorq_jax.launch.ray_placement import ray_flag_problems  # never imports Ray under --launcher local
+
+    for flag, message in ray_flag_problems(probe):
+        parser.error(f"--{flag}: {message}")
     for name in ("learner_cpus", "actor_cpus"):
         problem = cpu_list_problem(values[name])
         if problem:
@@ -79,9 +83,12 @@ def _resume(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Tuple[
         run, agent_config = config_from_json(path.read_text())
     except ValueError as error:
         parser.error(f"--resume: {path}: {error}")
-    # Budgets may be raised when resuming; everything else stays as the run was configured.
-    budgets = {k: getattr(args, k) for k in BUDGETS if getattr(args, k) is not None}
+    # Budgets may be raised when resuming, and a cluster's address changes between sessions;
+    # everything else stays as the run was configured.
+    overrides = {k: getattr(args, k) for k in BUDGETS if getattr(args, k) is not None}
+    if args.ray_address:
+        overrides["ray_address"] = args.ray_address
     try:
-        return dataclasses.replace(run, resume=True, **budgets), agent_config
+        return dataclasses.replace(run, resume=True, **overrides), agent_config
     except ValueError as error:
         parser.error(str(error))

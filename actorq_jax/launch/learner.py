@@ -148,7 +148,8 @@ class Learner:
 
 def _start_server(builder: Any, run: RunConfig, checkpoint_dir: Path, restore: Optional[str]) -> ReplayServer:
     """The learner's Reverb server: replay, variables and config tables, restored from `restore` when given."""
-    return ReplayServer(runtime.learner_tables(builder), port=run.port or None, advertised_host=socket.getfqdn(),
+    host = run.advertise_host or socket.getfqdn()  # what other machines use to reach this server
+    return ReplayServer(runtime.learner_tables(builder), port=run.port or None, advertised_host=host,
                         checkpoint_dir=checkpoint_dir, restore=restore)
 
 
