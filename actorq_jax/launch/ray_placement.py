@@ -49,9 +49,10 @@ SYNC_PERIOD_S = 0.25
 SYNC_CHUNK_BYTES = 8 << 20
 CALL_TIMEOUT_S = 60.0
 CONNECT_TIMEOUT_S = 3.0
-# Scratch entries never mirrored: the driver's own input, and the replay checkpoints (large; they
-# stay on the learner's node, where a restarted learner reads them).
-NOT_MIRRORED = ("config.json", "replay_checkpoints")
+# Scratch entries never mirrored: the driver's own input.
+NOT_MIRRORED = ("config.json",)
+# Checkpoint trees, mirrored one finished step at a time, and the file that marks a step finished.
+CHECKPOINT_TREES = {"checkpoints": "counters/metadata", "replay_checkpoints": "DONE"}
 RESOURCE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:/-]*$")
 LOST_NODE_EXIT = -int(signal.SIGKILL)
 
@@ -225,9 +226,9 @@ def _mirrored(rel: str, root: Path) -> bool:
     parts = rel.split("/")
     if parts[0] in NOT_MIRRORED or any(p.startswith(".") for p in parts):
         return False
-    if parts[0] == "checkpoints":
-        # Orbax renames a finished step to its number; the counters make it one the launcher trusts.
-        return len(parts) > 2 and parts[1].isdigit() and (root / parts[0] / parts[1] / "counters" / "metadata").exists()
+    if parts[0] in CHECKPOINT_TREES:
+        # Orbax renames a finished step to its number and Reverb writes DONE last: only finished steps go.
+        return len(parts) > 2 and (root / parts[0] / parts[1] / CHECKPOINT_TREES[parts[0]]).exists()
     return True
 
 
@@ -430,16 +431,19 @@ class RayPlacement(Placement):
 
     def open(self) -> None:
         """Joins --ray_address, or starts a Ray instance on this machine (loopback only) for the run."""
+        address = setting(self.run, "ray_address")
+        if not address:
+            # Read when Ray is imported: its processes then take loopback for this machine's address.
+            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         import ray
 
-        address = setting(self.run, "ray_address")
         if ray.is_initialized():
             pass
         elif address:
             ray.init(address=address, logging_level="ERROR", log_to_driver=False)
         else:
             # A private single-machine instance: nothing else joins it, so it listens on loopback only.
-            ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, logging_level="ERROR",
+            ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, logging_level="ERROR",
                      log_to_driver=False)
             self.owns_instance = True
         self._thread = threading.Thread(target=self._mirror_loop, name="ray-mirror", daemon=True)
@@ -495,6 +499,9 @@ class RayPlacement(Placement):
         incarnation = self.incarnations.get(name, -1) + 1
         self.incarnations[name] = incarnation
         files = {"config.json": (self.results_dir / "config.json").read_bytes()}
+        if role == "learner":
+            # A resumed run, or a learner whose node was lost, restores from the mirrored checkpoints.
+            files.update(self._checkpoint_files())
         actor = ray.remote(WorkerHost).options(max_restarts=0, max_task_retries=0, **options).remote(name, files)
         host = _Host(name, role, actor, incarnation)
         self.hosts[name] = host
@@ -505,6 +512,16 @@ class RayPlacement(Placement):
             self.energy.node(host.where["node_id"], host.where["ip"])
         self.events.append(f"{host.name} (incarnation {host.incarnation}) on node {host.where['ip']} "
                            f"{host.where['node_id'][:12]}")
+
+    def _checkpoint_files(self) -> Dict[str, bytes]:
+        files = {}
+        for tree in CHECKPOINT_TREES:
+            root = self.results_dir / tree
+            if root.is_dir():
+                for path in root.rglob("*"):
+                    if path.is_file():
+                        files[path.relative_to(self.results_dir).as_posix()] = path.read_bytes()
+        return files
 
     def learner_server(self, status: Dict[str, Any]) -> str:
         """HOST:PORT of the learner's server as the other nodes reach it: --advertise_host, else its node's IP."""
@@ -614,11 +631,11 @@ class RayPlacement(Placement):
 
     def _forget_pruned(self, host: _Host, present: set) -> None:
         """Removes mirrored checkpoint files the learner pruned (it keeps only the newest few)."""
-        for rel in [r for r in host.known if r not in present and r.startswith("checkpoints/")]:
+        for rel in [r for r in host.known if r not in present and r.split("/")[0] in CHECKPOINT_TREES]:
             del host.known[rel]
             path = self.results_dir / rel
             path.unlink(missing_ok=True)
-            step_dir = self.results_dir / "checkpoints" / rel.split("/")[1]
+            step_dir = self.results_dir.joinpath(*rel.split("/")[:2])
             if step_dir.exists() and not any(p.is_file() for p in step_dir.rglob("*")):
                 shutil.rmtree(step_dir, ignore_errors=True)
 
