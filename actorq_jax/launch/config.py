@@ -29,6 +29,7 @@ class RunConfig:
     results_dir: str = documented("", "results directory (default: results/<agent>_<task>_q<bits>_s<seed>_<time>)")
     seed: int = documented(0, "seed of every PRNG key in the run")
     num_actors: int = documented(2, "local actor processes (>= 1)")
+    envs_per_actor: int = documented(1, "environments each actor steps in lockstep, one batched policy call per step")
     actor_bits: int = documented(8, f"precision of the actors' policy, one of {VALID_BITS} (16: half, 32: float)")
     comm_bits: Optional[int] = documented(None, "bits on the wire (default: actor_bits)")
     granularity: str = documented("per_channel", f"quantization scales, one of {GRANULARITIES}")
@@ -102,7 +103,8 @@ def run_config_problems(run: Any) -> List[Tuple[str, str]]:
         problems.append(("actor_backend", f"int8 needs --actor_bits in 2..8, not {run.actor_bits}"))
     if run.num_actors < 1:
         problems.append(("num_actors", f"must be >= 1, got {run.num_actors}"))
-    for name in ("update_period", "publish_period", "eval_period", "eval_episodes", "checkpoint_period", "actor_threads"):
+    for name in ("update_period", "publish_period", "eval_period", "eval_episodes", "checkpoint_period", "actor_threads",
+                 "envs_per_actor"):
         if getattr(run, name) < 1:
             problems.append((name, f"must be >= 1, got {getattr(run, name)}"))
     for name in ("learner_threads", "max_actor_restarts", "max_learner_restarts"):

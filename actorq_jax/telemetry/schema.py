@@ -5,10 +5,11 @@
 # rate limiter refusing inserts because the learner is behind): large means the learner bounds the run.
 ACTOR_PHASES = ("env_step", "inference", "adder", "rate_limit_wait", "pull", "deserialize", "load")
 
-# actors/actor_<i>.csv: one row per finished episode. rejected_payloads counts (cumulatively) the
+# actors/actor_<i>.csv: one row per finished episode; env_index is which of the actor's environments
+# (--envs_per_actor) finished it, episode and env_steps count over all of them. rejected_payloads counts (cumulatively) the
 # variable payloads the actor refused (malformed, non-finite, or not fitting its network).
 ACTOR_FIELDS = (
-    "actor_id", "episode", "env_steps", "episode_return", "episode_length", "wall_seconds", "params_version",
+    "actor_id", "episode", "env_index", "env_steps", "episode_return", "episode_length", "wall_seconds", "params_version",
     "rejected_payloads",
 ) + tuple(f"{phase}_s" for phase in ACTOR_PHASES)
 
