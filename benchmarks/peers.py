@@ -117,8 +117,9 @@ def worker(threads: int, quick: bool) -> List[dict]:
     from actorq_jax import kernels
 
     kernels.set_num_threads(threads)
-    trials = 2 if quick else 5
-    min_seconds = 0.003 if quick else 0.01
+    # Full: about 5 minutes on 2 cores; many short trials, as the machines are shared and noisy.
+    trials = 2 if quick else 15
+    min_seconds = 0.003 if quick else 0.04
     hidden_sizes, batches = (QUICK_HIDDEN, QUICK_BATCHES) if quick else (HIDDEN, BATCHES)
     rows = []
     for hidden in hidden_sizes:

@@ -714,7 +714,7 @@ __attribute__((target(kAvx512Target))) void VnniBlock(const BlockArgs& a, int64_
     if (R <= 2) {
       // Few rows: the call streams weights from L3 or memory; prefetch well ahead of the hardware's guess.
 #pragma GCC unroll 16
-      for (int c = 0; c < C; ++c) _mm_prefetch(reinterpret_cast<const char*>(w + c * wstride + (s + 16) * 64), _MM_HINT_T0);
+      for (int c = 0; c < C; ++c) _mm_prefetch(reinterpret_cast<const char*>(w + c * wstride + (s + 64) * 64), _MM_HINT_T0);
     }
     const bool in_tail = !kW4 && s == a.steps;  // W8A8's last partial group of 4 k, zero-padded
     VnniStep<kW4, R, C>(acc, in_tail ? tail : w + s * 64, in_tail ? 64 : wstride, q + s * kStepBytes, ldq);
