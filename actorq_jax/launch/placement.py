@@ -73,6 +73,7 @@ class Placement:
     def __init__(self, run: Any, results_dir: Path):
         self.run = run
         self.results_dir = Path(results_dir)
+        self.events: List[str] = []  # where workers landed, hosts lost: the launcher adds them to the summary
 
     def open(self) -> None:
         """Prepares the backend (nothing for local subprocesses)."""

@@ -29,6 +29,7 @@ resources that no node (or not enough nodes for --num_actors) has.
 """
 
 import json
+import logging
 import math
 import os
 import re
@@ -43,6 +44,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from actorq_jax.launch.placement import LAUNCHERS, Placement, worker_command, worker_env
+
+log = logging.getLogger(__name__)
 
 SYNC_PERIOD_S = 0.25
 # Bytes one host sends per sync call; a larger backlog (a checkpoint) comes over several calls.
@@ -288,9 +291,9 @@ class WorkerHost:
         changes: Dict[str, Tuple[str, int, int, bytes]] = {}
         present: List[str] = []
         budget = chunk_bytes
-        for path in sorted(self.dir.rglob("*")):
+        for path in self._files():
             rel = path.relative_to(self.dir).as_posix()
-            if rel in self.pushed or not path.is_file() or not _mirrored(rel, self.dir):
+            if rel in self.pushed or not _mirrored(rel, self.dir):
                 continue
             present.append(rel)
             try:
@@ -298,20 +301,39 @@ class WorkerHost:
             except FileNotFoundError:
                 continue
             offset, mtime = known.get(rel, [0, 0])
-            if rel.endswith(".json"):
-                # Reports are replaced whole (os.replace): send the whole file when it changed.
-                if stat.st_mtime_ns != mtime or stat.st_size != offset:
-                    changes[rel] = ("replace", stat.st_size, stat.st_mtime_ns, path.read_bytes())
+            try:
+                change = self._change(path, stat, offset, mtime, budget, rel.endswith(".json"))
+            except FileNotFoundError:  # pruned while we looked: gone from `present` next pass
                 continue
-            if stat.st_size == offset or budget <= 0:
-                continue
-            mode, start = ("append", offset) if stat.st_size > offset else ("rewrite", 0)
-            with open(path, "rb") as f:
-                f.seek(start)
-                data = f.read(min(budget, stat.st_size - start))
-            budget -= len(data)
-            changes[rel] = (mode, start + len(data), stat.st_mtime_ns, data)
+            if change is not None:
+                budget -= len(change[3])
+                changes[rel] = change
         return {"pid": pid, "returncode": code, "changes": changes, "present": present, "where": self.where()}
+
+    @staticmethod
+    def _change(path: Path, stat: os.stat_result, offset: int, mtime: int, budget: int,
+                whole: bool) -> Optional[Tuple[str, int, int, bytes]]:
+        """(mode, new offset, mtime, bytes) of what the driver lacks of one file; None when it has it all."""
+        if whole:
+            # Reports are replaced whole (os.replace): send the whole file when it changed.
+            if stat.st_mtime_ns == mtime and stat.st_size == offset:
+                return None
+            return "replace", stat.st_size, stat.st_mtime_ns, path.read_bytes()
+        if stat.st_size == offset or budget <= 0:
+            return None
+        mode, start = ("append", offset) if stat.st_size > offset else ("rewrite", 0)
+        with open(path, "rb") as f:
+            f.seek(start)
+            data = f.read(min(budget, stat.st_size - start))
+        return mode, start + len(data), stat.st_mtime_ns, data
+
+    def _files(self) -> List[Path]:
+        """Files under the scratch directory (directories that vanish while walked, as Orbax's do, are skipped)."""
+        found = []
+        for root, dirs, names in os.walk(self.dir):
+            dirs.sort()
+            found.extend(Path(root) / name for name in sorted(names))
+        return found
 
     def signal(self, sig: int) -> None:
         """Sends `sig` to the worker process, if it runs."""
@@ -425,7 +447,6 @@ class RayPlacement(Placement):
         self.energy: Optional[RayEnergyMeter] = None
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
-        self.events: List[str] = []
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -541,7 +562,10 @@ class RayPlacement(Placement):
 
     def _mirror_loop(self) -> None:
         while not self._stop.wait(SYNC_PERIOD_S):
-            self.sync()
+            try:
+                self.sync()
+            except Exception as error:  # noqa: BLE001 (the mirror must outlive one bad pass; the next retries)
+                log.warning("mirror pass failed: %s: %s", type(error).__name__, error)
 
     def sync(self, drain: bool = False) -> None:
         """One mirror pass over every live host (with drain, passes until nothing is left to copy)."""
@@ -558,7 +582,7 @@ class RayPlacement(Placement):
     def _sync_once(self, wait_s: float = 1.0) -> int:
         """Asks every live host for its state (one call in flight per host) and applies the answers that came."""
         import ray
-        from ray.exceptions import RayActorError
+        from ray.exceptions import RayActorError, RayTaskError
 
         with self.lock:
             hosts = [h for h in self.hosts.values() if not h.dead]
@@ -582,6 +606,9 @@ class RayPlacement(Placement):
                 state = ray.get(ref)
             except RayActorError as error:
                 self._lost(host, error)
+                continue
+            except RayTaskError as error:  # a failed read: the files are still there next pass
+                log.warning("reading %s's files failed: %s", host.name, error)
                 continue
             with self.lock:
                 moved += self._apply(host, state)
