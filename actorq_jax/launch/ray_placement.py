@@ -235,6 +235,18 @@ def _mirrored(rel: str, root: Path) -> bool:
     return True
 
 
+def _scratch(prefix: str) -> Path:
+    """A new node-local directory, inside this Ray session's directory (Ray's place for a session's files)."""
+    try:
+        import ray._private.worker
+
+        root = Path(ray._private.worker.global_worker.node.get_session_dir_path()) / "actorq"
+        root.mkdir(exist_ok=True)
+    except (AttributeError, OSError):  # a Ray without that (private) attribute: the system's temp dir
+        root = Path(tempfile.gettempdir())
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=root))
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -247,7 +259,7 @@ class WorkerHost:
 
     def __init__(self, name: str, files: Dict[str, bytes]):
         self.name = name
-        self.dir = Path(tempfile.mkdtemp(prefix=f"actorq-{name}-"))
+        self.dir = _scratch(f"{name}-")
         for sub in ("logs", "status", "actors"):
             (self.dir / sub).mkdir()
         self.pushed: set = set()
@@ -354,7 +366,7 @@ class NodeEnergy:
     def __init__(self, country: str, label: str):
         from actorq_jax.telemetry import EnergyTracker
 
-        self.dir = Path(tempfile.mkdtemp(prefix="actorq-energy-"))
+        self.dir = _scratch("energy-")
         self.tracker = EnergyTracker(self.dir, country_iso_code=country, tracking_mode="machine", project_name=label)
         self.tracker.start()
 
