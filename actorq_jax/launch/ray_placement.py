@@ -216,8 +216,8 @@ def ray_flag_problems(run: Any) -> List[Tuple[str, str]]:
         return problems
     try:
         nodes = cluster_node_resources(address) if address else local_node_resources()
-    except ConnectionError as error:
-        return [("ray_address", f"cannot join the Ray cluster at {address}: {error}")]
+    except Exception as error:  # noqa: BLE001 (whatever stops us joining, e.g. a token mismatch, is the flag's problem)
+        return [("ray_address", f"cannot join the Ray cluster at {address}: {type(error).__name__}: {error}")]
     return placement_problems(parsed["learner_resources"], parsed["actor_resources"], run.num_actors, nodes)
 
 
@@ -455,7 +455,7 @@ class RayPlacement(Placement):
         self.incarnations: Dict[str, int] = {}
         self.origin: Dict[str, str] = {}  # results file -> the host whose worker writes it
         self.lock = threading.RLock()
-        self.owns_instance = False
+        self.initialized_here = False
         self.energy: Optional[RayEnergyMeter] = None
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -470,15 +470,15 @@ class RayPlacement(Placement):
             os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         import ray
 
-        if ray.is_initialized():
-            pass
+        self.initialized_here = not ray.is_initialized()
+        if not self.initialized_here:
+            pass  # a caller's Ray session (a notebook, a test): use it, leave it up
         elif address:
             ray.init(address=address, logging_level="ERROR", log_to_driver=False)
         else:
             # A private single-machine instance: nothing else joins it, so it listens on loopback only.
             ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, logging_level="ERROR",
                      log_to_driver=False)
-            self.owns_instance = True
         self._thread = threading.Thread(target=self._mirror_loop, name="ray-mirror", daemon=True)
         self._thread.start()
 
@@ -499,8 +499,8 @@ class RayPlacement(Placement):
             ray.kill(host.actor, no_restart=True)
         if self.energy is not None:
             self.energy.release()
-        if self.owns_instance:
-            ray.shutdown()
+        if self.initialized_here:
+            ray.shutdown()  # disconnects from a joined cluster; stops the instance this run started
 
     # -- workers ----------------------------------------------------------------------------
 
