@@ -80,14 +80,22 @@ def test_killed_learner_comes_back_with_its_replay_and_actors_reconnect(tmp_path
         wait_for(lambda: all(len(rows(p)) > n for p, n in episodes.items()), 240, "episodes after the restart", proc)
         assert status(results)["env_steps"] > restored["env_steps"]
         assert remote.poll() is None
-        proc.send_signal(signal.SIGTERM)
+        # Killed again, past --max_learner_restarts: the run stops, its summary from the last checkpoint.
+        wait_for(lambda: read_counters(results / "checkpoints")["learner_steps"] > last["learner_steps"], 240,
+                 "a checkpoint after the restart", proc)
+        os.kill(back["pid"], signal.SIGKILL)
         out, _ = proc.communicate(timeout=200)
-        assert proc.returncode == 0, out[-3000:]
+        assert proc.returncode == 1, out[-3000:]
     finally:
         stop_all(proc, remote)
     summary = json.loads((results / "summary.json").read_text())
     assert any("restart 1/1" in e for e in summary["events"]), summary["events"]
+    assert any("after 1 restarts; stopping the run" in e for e in summary["events"]), summary["events"]
     assert not any(e.startswith("actor_0 died") for e in summary["events"]), summary["events"]
+    proven = read_counters(results / "checkpoints")
+    assert summary["exit_code"] == 1 and summary["counters_from"] == f"checkpoint at learner step {proven['learner_steps']}"
+    assert (summary["learner_steps"], summary["env_steps"]) == (proven["learner_steps"], proven["env_steps"])
+    assert set(summary["last_status_report"]) == {"learner_steps", "env_steps", "wall_seconds"}
     _assert_counters_never_go_backwards(results)
 
     # A stopped run resumes on its port with the replay of its final checkpoint.
@@ -101,7 +109,7 @@ def test_killed_learner_comes_back_with_its_replay_and_actors_reconnect(tmp_path
     assert again["restored"]["learner_steps"] == final["learner_steps"]
     assert again["restored"]["items"] == _replay_items(results, final["replay_checkpoint"]) > 0
     assert json.loads((results / "summary.json").read_text())["learner_steps"] == final["learner_steps"] + 50
-    _assert_counters_never_go_backwards(results)
+    _assert_counters_never_go_backwards(results)  # rows of the lost timeline (after the checkpoint) are gone
 
 
 @pytest.mark.timeout(360)
