@@ -22,6 +22,11 @@ def _started(results, proc):
     return wait_for(lambda: status(results).get("address") and status(results), 150, "the learner's address", proc)
 
 
+def _first_episode(results, proc) -> None:
+    _started(results, proc)
+    wait_for(lambda: _rows(results / "actors" / "actor_0.csv"), 150, "actor 0's first episode", proc)
+
+
 @pytest.mark.timeout(400)
 def test_budget_run_leaves_a_complete_results_directory(tmp_path):
     d = tmp_path / "run"
@@ -59,8 +64,7 @@ def test_sigterm_stops_the_run_cleanly_without_orphans(tmp_path):
     results = tmp_path / "run"
     proc = start_run(results, *TINY, "--num_actors", "1", "--max_seconds", "250")
     try:
-        _started(results, proc)
-        wait_for(lambda: _rows(results / "actors" / "actor_0.csv"), 150, "actor 0's first episode", proc)
+        _first_episode(results, proc)
         pids = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
         assert len(pids) >= 3  # learner, actor, evaluator
         proc.send_signal(signal.SIGTERM)
@@ -77,8 +81,7 @@ def test_killed_actor_is_restarted_and_the_run_goes_on(tmp_path):
     results = tmp_path / "run"
     proc = start_run(results, *TINY, "--num_actors", "1", "--max_seconds", "250")
     try:
-        _started(results, proc)
-        wait_for(lambda: _rows(results / "actors" / "actor_0.csv"), 150, "actor 0's first episode", proc)
+        _first_episode(results, proc)
         launcher = psutil.Process(proc.pid)
         worker_process(launcher, "actor", 0).kill()
         wait_for(lambda: worker_process(launcher, "actor", 0, restart=1), 60, "actor 0's restart", proc)
