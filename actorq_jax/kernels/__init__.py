@@ -3,7 +3,11 @@
     from actorq_jax.kernels import pack_params, int8_dense, kernel_available, set_num_threads
 
     int8_params = pack_params(quantize(params, QuantConfig(bits=8)))   # repack once at load
-    actions = policy.apply(int8_params, obs)                           # Dense -> int8_dense
+    actions = policy.apply(int8_params, obs)                           # the whole MLP -> one int8_mlp call
+
+``int8_mlp`` runs a stack of dense layers and layer norms (with their
+activations) as one FFI call, equal bit for bit to ``int8_dense`` and
+``layer_norm`` called layer by layer.
 
 The compiled library (``python -m actorq_jax.kernels.build``; setup.py builds it
 on install) picks AVX-512 VNNI, AVX2+FMA or portable scalar code at run time.

@@ -713,8 +713,12 @@ __attribute__((target(kAvx512Target))) void VnniBlock(const BlockArgs& a, int64_
   for (int64_t s = 0; s < steps; ++s) {
     if (R <= 2) {
       // Few rows: the call streams weights from L3 or memory; prefetch well ahead of the hardware's guess.
+      // 4 KB ahead per panel for W8A8 (whose 4096-wide layers come from DRAM), 1 KB for the
+      // L3-resident W4A8 (measured: each distance is 10-20% slower for the other).
+      constexpr int64_t kAhead = kW4 ? 16 : 64;
 #pragma GCC unroll 16
-      for (int c = 0; c < C; ++c) _mm_prefetch(reinterpret_cast<const char*>(w + c * wstride + (s + 64) * 64), _MM_HINT_T0);
+      for (int c = 0; c < C; ++c)
+        _mm_prefetch(reinterpret_cast<const char*>(w + c * wstride + (s + kAhead) * 64), _MM_HINT_T0);
     }
     const bool in_tail = !kW4 && s == a.steps;  // W8A8's last partial group of 4 k, zero-padded
     VnniStep<kW4, R, C>(acc, in_tail ? tail : w + s * 64, in_tail ? 64 : wstride, q + s * kStepBytes, ldq);
