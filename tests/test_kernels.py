@@ -589,3 +589,35 @@ def test_fused_mlp_handler_refuses_a_bad_program():
             jffi.ffi_call(_library.TARGET_MLP, jax.ShapeDtypeStruct((2, 16), jnp.float32), x, *operands,
                           program=np.asarray(program, np.int64), epsilons=np.zeros(1, np.float32),
                           path=0).block_until_ready()
+
+
+@needs_kernel
+@pytest.mark.timeout(300)
+def test_portable_scalar_build(tmp_path):
+    # The library as a CPU without x86 SIMD gets it: scalar code only, same answers as the reference.
+    from actorq_jax.kernels import build
+
+    lib = build.build(tmp_path / build.library_filename(), portable=True)
+    script = textwrap.dedent("""
+        import numpy as np
+        from actorq_jax import kernels
+        from actorq_jax.kernels import pack_dense
+        assert kernels.kernel_path() == "scalar", kernels.describe_kernel()
+        rng = np.random.default_rng(0)
+        for mode in ("w8a32", "w8a8", "w4a8"):
+            for M, K, N in ((1, 24, 40), (8, 37, 70), (33, 64, 16)):
+                low, high = (-8, 8) if mode == "w4a8" else (-128, 128)
+                w = pack_dense(rng.integers(low, high, (K, N)).astype(np.int8),
+                               rng.uniform(1e-3, 2e-2, N).astype(np.float32), mode)
+                b = rng.normal(size=N).astype(np.float32)
+                x = rng.normal(size=(M, K)).astype(np.float32)
+                y = np.asarray(kernels.int8_dense(x, w, b, activation="elu"))
+                ref = np.asarray(kernels.reference_int8_dense(x, w, b, "elu"))
+                assert np.abs(y - ref).max() <= 1e-5 * max(1.0, np.abs(ref).max()), (mode, M, K, N)
+                layers = [kernels.MlpDense(w, b, "elu")]
+                assert np.array_equal(np.asarray(kernels.int8_mlp(x, layers)), y)
+        print("PORTABLE-OK")
+    """)
+    env = dict(os.environ, ACTORQ_KERNEL_LIBRARY=str(lib), JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert "PORTABLE-OK" in proc.stdout, proc.stderr[-3000:]

@@ -33,8 +33,8 @@ def ffi_include_dir() -> str:
     return jffi.include_dir()
 
 
-def compile_command(output: Path, include_dir: str, compiler: str | None = None) -> list:
-    """The compiler command line that builds the library into ``output``."""
+def compile_command(output: Path, include_dir: str, compiler: str | None = None, portable: bool = False) -> list:
+    """The compiler command line that builds the library into ``output`` (``portable``: scalar code only)."""
     cxx = shlex.split(compiler or os.environ.get("CXX", "g++"))
     # No -march/-mavx2: SIMD code is enabled per function with target attributes.
     # No -fvisibility=hidden: XLA_FFI_DEFINE_HANDLER_SYMBOL does not export the symbol.
@@ -46,18 +46,20 @@ def compile_command(output: Path, include_dir: str, compiler: str | None = None)
         "-shared",
         "-pthread",
         f"-I{include_dir}",
+        *(["-DACTORQ_PORTABLE_ONLY"] if portable else []),
         str(SOURCE),
         "-o",
         str(output),
     ]
 
 
-def build(output: Path | None = None, compiler: str | None = None, verbose: bool = False) -> Path:
-    """Compiles the library (default: next to this file); raises RuntimeError on failure."""
+def build(output: Path | None = None, compiler: str | None = None, verbose: bool = False,
+          portable: bool = False) -> Path:
+    """Compiles the library (default: next to this file; ``portable``: scalar code only); RuntimeError on failure."""
     output = Path(output) if output is not None else HERE / library_filename()
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.with_name(output.name + ".tmp")
-    cmd = compile_command(tmp, ffi_include_dir(), compiler)
+    cmd = compile_command(tmp, ffi_include_dir(), compiler, portable)
     if verbose:
         print(" ".join(shlex.quote(c) for c in cmd), file=sys.stderr)
     try:
@@ -80,9 +82,10 @@ def main(argv: list | None = None) -> int:
     parser.add_argument("--output", type=Path, default=None, help="where to write the library")
     parser.add_argument("--cxx", default=None, help="C++ compiler (default: $CXX or g++)")
     parser.add_argument("--verbose", action="store_true", help="print the compiler command")
+    parser.add_argument("--portable", action="store_true", help="scalar code only (no x86 SIMD paths)")
     args = parser.parse_args(argv)
     try:
-        path = build(args.output, args.cxx, args.verbose)
+        path = build(args.output, args.cxx, args.verbose, args.portable)
     except RuntimeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
