@@ -268,6 +268,11 @@ class WorkerHost:
             # Every role writes under run.results_dir: here, this node's scratch directory.
             config = json.loads(files["config.json"])
             config["run"]["results_dir"] = str(self.dir)
+            if not config["run"].get("advertise_host"):
+                import ray
+
+                # The learner advertises the address other nodes reach it at: its node's IP.
+                config["run"]["advertise_host"] = ray.util.get_node_ip_address()
             _write_atomic(self.dir / "config.json", json.dumps(config, indent=2, sort_keys=True).encode())
         self.process: Optional[subprocess.Popen] = None
 
@@ -528,7 +533,11 @@ class RayPlacement(Placement):
             if node:
                 options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
         else:
-            options = actor_options(self.learner_resources if role == "learner" else self.actor_resources)
+            resources = self.learner_resources if role == "learner" else self.actor_resources
+            options = actor_options(resources)
+            if role == "actor" and not resources:
+                # Nothing reserved (as local processes, they may oversubscribe): spread them over the nodes.
+                options["scheduling_strategy"] = "SPREAD"
         incarnation = self.incarnations.get(name, -1) + 1
         self.incarnations[name] = incarnation
         files = {"config.json": (self.results_dir / "config.json").read_bytes()}
