@@ -6,11 +6,12 @@ Each worker (learner, actor, evaluator) is hosted by one Ray actor, a
 runs the very command a local run starts, `python -m actorq_jax.launch.worker
 ROLE ...`, as its child, in a node-local scratch directory seeded with
 config.json. The driver (the launcher's process) mirrors the scratch files
-(status reports, actors/*.csv, eval.csv, learner.csv, logs/, finished
-checkpoints) into the real results directory through Ray calls, reading each
-file from the offset it already has, and pushes the reports the workers read
-(the launcher's start time, the learner's status, the learner's release) the
-other way. So the launcher's watch, restart and shutdown logic, and the role
+(status reports, actors/*.csv, eval.csv, learner.csv, logs/, finished learner
+and replay checkpoints) into the real results directory through Ray calls,
+reading each file from the offset it already has, and pushes the reports the
+workers read (the launcher's start time, the learner's status, the learner's
+release) the other way; a new learner host (a resumed run, a lost node) is
+seeded with the mirrored checkpoints. So the launcher's watch, restart and shutdown logic, and the role
 functions, work on the results directory exactly as under `--launcher local`.
 
 Restarts are the launcher's, as locally: a host whose node disappears reads
