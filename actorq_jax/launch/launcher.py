@@ -31,6 +31,7 @@ from typing import Any, Dict, List, Optional, TextIO
 from actorq_jax.launch import runtime
 from actorq_jax.launch.checkpoint import read_counters
 from actorq_jax.launch.config import RunConfig, save_config
+from actorq_jax.launch.placement import Placement, WorkerProcess, make_placement
 
 LEARNER_START_TIMEOUT_S = 300.0
 ACTOR_STOP_TIMEOUT_S = 20.0
@@ -66,7 +67,7 @@ class Worker:
     role: str
     args: List[str]
     threads: int
-    process: Optional[subprocess.Popen] = None
+    process: Optional[WorkerProcess] = None  # a subprocess.Popen, or its Ray counterpart
     restarts: int = 0
     gave_up: bool = False
 
@@ -82,21 +83,16 @@ class Launcher:
         self.stop = threading.Event()
         self.workers: List[Worker] = []
         self.events: List[str] = []
+        # Where workers run (local subprocesses or Ray actors); everything else here is the same for both.
+        self.placement: Placement = make_placement(run, self.results_dir)
 
     # -- processes ------------------------------------------------------------------
 
     def _start(self, worker: Worker) -> None:
-        log_path = self.results_dir / "logs" / f"{worker.name}.log"
         # A restarted worker gets new seeds (an actor would otherwise replay its first episodes).
         restart = ["--restart", str(worker.restarts)] if worker.restarts else []
-        with open(log_path, "ab") as log_file:
-            worker.process = subprocess.Popen(
-                [sys.executable, "-m", "actorq_jax.launch.worker", worker.role, "--parent_pid", str(os.getpid()),
-                 "--results_dir", str(self.results_dir), "--threads", str(worker.threads), *worker.args, *restart],
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "disable"), "TF_CPP_MIN_LOG_LEVEL": "2"},
-            )
+        worker.process = self.placement.start(worker.name, worker.role,
+                                              ["--threads", str(worker.threads), *worker.args, *restart])
 
     def _say(self, message: str) -> None:
         self.events.append(message)
@@ -128,7 +124,7 @@ class Launcher:
 
     def launch(self) -> Dict[str, Any]:
         """Runs the experiment; returns the summary (also written to summary.json)."""
-        from actorq_jax.telemetry import EnergyTracker, ProgressLine, write_json
+        from actorq_jax.telemetry import ProgressLine, write_json
 
         run = self.run
         (self.results_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -141,8 +137,10 @@ class Launcher:
         save_config(self.results_dir / "config.json", run, self.agent_config)
         start_wall = time.time()
         write_json(runtime.status_file(self.results_dir, "launcher"), {"start_time": start_wall, "pid": os.getpid()})
+        # Before our signal handlers: Ray installs its own when it starts.
+        self.placement.open()
         previous = {sig: signal.signal(sig, lambda *_: self.stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
-        energy = EnergyTracker(self.results_dir, country_iso_code=run.country, tracking_mode="machine")
+        energy = self.placement.energy_meter(run.country)
         energy.start()
         start = time.monotonic()
         learner = Worker("learner", "learner", [], run.learner_threads)
@@ -158,7 +156,7 @@ class Launcher:
                 exit_code = 1
             else:
                 self._say(f"learner up; remote actors join with: python -m actorq_jax.launch.actor --server {address}")
-                server = runtime.read_status(self.results_dir, "learner")["local_address"]
+                server = self.placement.learner_server(runtime.read_status(self.results_dir, "learner"))
                 for i in range(run.num_actors):
                     args = ["--actor_id", str(i), "--server", server]
                     self.workers.append(Worker(f"actor_{i}", "actor", args, run.actor_threads))
@@ -176,6 +174,8 @@ class Launcher:
                 self._say(f"learner exited with code {learner.process.returncode} at shutdown:\n{self._log_tail(learner)}")
                 exit_code = 1
             energy_report = energy.stop()
+            self.placement.close()  # the results directory is complete after it
+            self.events.extend(self.placement.events)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         summary = self._summarise(time.monotonic() - start, energy_report, exit_code)
@@ -255,7 +255,7 @@ class Launcher:
                   f"learner step {counters.get('learner_steps', 0)} on port {self.run.port}")
         self._start(learner)
         if self._wait_for_learner(learner) is None:
-            return False
+            return self.stop.is_set()  # a stop request during the restart is an ordinary stop
         restored = runtime.read_status(self.results_dir, "learner").get("restored", {})
         self._say(f"learner back at step {restored.get('learner_steps', 0)} with {restored.get('items', 0)} replay items")
         return True
@@ -325,6 +325,8 @@ class Launcher:
             "energy_kwh": energy.get("energy_kwh", math.nan),
             "emissions_kg": energy.get("emissions_kg", math.nan),
             "exit_code": exit_code,
+            "launcher": self.placement.name,
+            "energy_nodes": int(energy.get("energy_nodes", 1)),
             "events": self.events,
         }
         for policy, suffix in (("fp32", ""), ("actor", "_actor_policy")):

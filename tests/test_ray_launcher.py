@@ -1,0 +1,269 @@
+"""`--launcher ray`: the same run placed on Ray nodes, every node and server on 127.0.0.1.
+
+A `ray.cluster_utils.Cluster` (a head and worker nodes with custom resources)
+stands in for a cluster; with RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 every node
+binds 127.0.0.1, so no test traffic leaves loopback. Ray's token
+authentication stays on (its default). The runs go through the run scripts,
+as a user's would; the driver writes the results directory from what the
+nodes send.
+"""
+
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Dict, List, Set
+
+import psutil
+import pytest
+from launch_support import ENV, ROOT, TINY, alive, rows, status
+
+from actorq_jax.launch.ray_placement import parse_resources, placement_problems, ray_flag_problems
+
+# Loopback only, and token authentication on with a token of this test session (no file in $HOME needed).
+RAY_SETTINGS = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token",
+                "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+RAY_ENV = {**ENV, **RAY_SETTINGS}
+os.environ.update(RAY_SETTINGS)  # the Cluster below is started by this process
+# Every file a local run leaves (checkpoint trees checked apart).
+RESULT_FILES = ("config.json", "summary.json", "learner.csv", "eval.csv", "emissions.csv", "status/learner.json",
+                "logs/learner.log", "logs/evaluator.log")
+
+
+# -- flags ---------------------------------------------------------------------------------
+
+
+def _run(**fields):
+    values = {"launcher": "ray", "ray_address": "", "learner_resources": "", "actor_resources": "",
+              "advertise_host": "", "num_actors": 2}
+    values.update(fields)
+    return SimpleNamespace(**values)
+
+
+def test_resource_lists_parse():
+    assert parse_resources("") == {}
+    assert parse_resources("GPU=1, CPU=0.5,actor_node=1") == {"GPU": 1.0, "CPU": 0.5, "actor_node": 1.0}
+
+
+@pytest.mark.parametrize("text, says", [("GPU", "NAME=AMOUNT"), ("CPU=x", "number"), ("CPU=0", "positive"),
+                                        ("CPU=1,CPU=2", "twice"), ("=1", "NAME=AMOUNT")])
+def test_bad_resource_lists_are_named(text, says):
+    with pytest.raises(ValueError, match=says):
+        parse_resources(text)
+    problems = ray_flag_problems(_run(actor_resources=text))
+    assert problems and problems[0][0] == "actor_resources" and says in problems[0][1]
+
+
+def test_resources_no_node_has_are_named():
+    nodes = [{"CPU": 2.0, "GPU": 0.0}, {"CPU": 1.0, "actor_node": 2.0}]
+    assert placement_problems({"CPU": 1}, {"actor_node": 1}, 2, nodes) == []
+    (flag, message), = placement_problems({"GPU": 1}, {}, 2, nodes)
+    assert flag == "learner_resources" and "lacking: GPU" in message
+    (flag, message), = placement_problems({}, {"actor_node": 1}, 3, nodes)  # room for two actors only
+    assert flag == "actor_resources" and "--num_actors 3" in message
+    (flag, message), = placement_problems({}, {"CPU": 2, "actor_node": 1}, 1, nodes)  # each exists, never together
+    assert flag == "actor_resources" and "all at once" in message
+
+
+def test_unreachable_ray_address_is_named():
+    (flag, message), = ray_flag_problems(_run(ray_address=f"127.0.0.1:{_closed_port()}"))
+    assert flag == "ray_address" and "nothing answers" in message
+    (flag, message), = ray_flag_problems(_run(ray_address="no-port-here"))
+    assert flag == "ray_address" and "HOST:PORT" in message
+
+
+def test_ray_flags_need_the_ray_launcher():
+    assert ray_flag_problems(_run(launcher="local")) == []
+    problems = ray_flag_problems(_run(launcher="local", ray_address="auto", actor_resources="CPU=1"))
+    assert {flag for flag, _ in problems} == {"ray_address", "actor_resources"}
+    assert ray_flag_problems(_run(launcher="slurm"))[0][0] == "launcher"
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:  # bound, never listening: nothing answers there
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("flags, named, says", [
+    (["--ray_address", "127.0.0.1:{port}"], "--ray_address", "nothing answers"),
+    (["--actor_resources", "CPU"], "--actor_resources", "NAME=AMOUNT"),
+    (["--learner_resources", "accelerator_node=1"], "--learner_resources", "lacking: accelerator_node"),
+])
+def test_bad_ray_flags_exit_2_naming_the_flag(flags, named, says, tmp_path):
+    flags = [f.format(port=_closed_port()) for f in flags]
+    proc = subprocess.run([sys.executable, "experiments/run_d4pg.py", "--launcher", "ray", *flags, "--results_dir",
+                           str(tmp_path / "run")], cwd=ROOT, env=RAY_ENV, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert named in proc.stderr and says in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "run").exists()  # nothing started
+
+
+# -- runs ----------------------------------------------------------------------------------
+
+
+class Descendants:
+    """Every process that descends from some roots while it watches (the run's workers, Ray's daemons)."""
+
+    def __init__(self, roots: List[int]):
+        self.roots = roots
+        self.seen: Dict[int, str] = {}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+
+    def _watch(self) -> None:
+        while not self.stop.wait(0.5):
+            for root in self.roots:
+                try:
+                    for child in psutil.Process(root).children(recursive=True):
+                        if child.pid not in self.seen:
+                            self.seen[child.pid] = " ".join(child.cmdline()[:4])
+                except psutil.Error:
+                    continue
+
+    def workers(self) -> Set[int]:
+        """Pids of the run's worker processes seen so far."""
+        return {pid for pid, cmd in self.seen.items() if "actorq_jax.launch.worker" in cmd}
+
+    def close(self) -> Dict[int, str]:
+        """Stops watching; the processes seen."""
+        self.stop.set()
+        self.thread.join()
+        return dict(self.seen)
+
+
+def _launch(results: Path, *flags: str, script: str = "experiments/run_d4pg.py") -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, script, *flags, "--launcher", "ray", "--results_dir", str(results)],
+                            cwd=ROOT, env=RAY_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(proc: subprocess.Popen, timeout_s: float) -> str:
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        raise AssertionError(f"the run did not finish in {timeout_s:.0f} s:\n{out[-3000:]}") from None
+    assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+def _assert_complete(results: Path, num_actors: int) -> dict:
+    for name in RESULT_FILES + tuple(f"actors/actor_{i}.csv" for i in range(num_actors)):
+        assert (results / name).exists(), name
+    for tree in ("checkpoints", "replay_checkpoints"):
+        assert any((results / tree).iterdir()), tree
+    summary = json.loads((results / "summary.json").read_text())
+    assert summary["exit_code"] == 0 and summary["counters_from"] == "final status report"
+    assert summary["energy_kwh"] > 0
+    assert any(r["final"] == 1 for r in rows(results / "eval.csv"))
+    for i in range(num_actors):
+        assert rows(results / "actors" / f"actor_{i}.csv"), f"actor_{i}.csv has no episode"
+    return summary
+
+
+@pytest.mark.timeout(150)
+def test_dqn_on_a_local_ray_instance_leaves_no_process(tmp_path):
+    results = tmp_path / "run"
+    proc = _launch(results, "--task", "CartPole-v1", "--q_layers", "16,16", "--batch_size", "16", "--min_replay_size",
+                   "100", "--num_actors", "1", "--max_env_steps", "1500", "--eval_period", "100",
+                   "--checkpoint_period", "200", script="experiments/run_dqn.py")
+    seen = Descendants([proc.pid])
+    try:
+        _finish(proc, 130)
+    finally:
+        processes = seen.close()
+    summary = _assert_complete(results, 1)
+    assert summary["env_steps"] >= 1500
+    assert any("raylet" in cmd for cmd in processes.values()), "no local Ray instance was started"
+    assert seen.workers(), "no worker process ran under Ray"
+    deadline = time.monotonic() + 20
+    while alive(processes) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not alive(processes), {p: processes[p] for p in alive(processes)}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A head (the learner's node) and two actor nodes, all on 127.0.0.1."""
+    from ray.cluster_utils import Cluster
+
+    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"learner_node": 1},
+                                                         "node_ip_address": "127.0.0.1"})
+    workers = [nodes.add_node(num_cpus=1, resources={"actor_node": 2}, node_ip_address="127.0.0.1") for _ in range(2)]
+    nodes.wait_for_nodes()
+    yield nodes, workers
+    nodes.shutdown()
+
+
+def _node_of_worker(workers, role_args: List[str]):
+    """The cluster node whose raylet runs the worker process with these arguments."""
+    for node in workers:
+        raylet = node.all_processes["raylet"][0].process.pid
+        for child in psutil.Process(raylet).children(recursive=True):
+            try:
+                cmd = child.cmdline()
+            except psutil.Error:
+                continue
+            if "actorq_jax.launch.worker" in cmd and all(a in cmd for a in role_args):
+                return node
+    return None
+
+
+@pytest.mark.timeout(200)
+def test_learner_and_actors_on_separate_nodes(cluster, tmp_path):
+    nodes, _ = cluster
+    results = tmp_path / "run"
+    proc = _launch(results, *TINY, "--ray_address", nodes.address, "--learner_resources", "learner_node=1",
+                   "--actor_resources", "actor_node=2", "--num_actors", "2", "--max_env_steps", "2500")
+    _finish(proc, 180)
+    summary = _assert_complete(results, 2)
+    placed = [e for e in summary["events"] if " on node " in e]
+    node_of = {e.split(" ", 1)[0]: e.rsplit(" ", 1)[1] for e in placed}
+    # actor_node=2 fills a node: one actor per actor node, neither on the learner's.
+    assert len({node_of["learner"], node_of["actor_0"], node_of["actor_1"]}) == 3, placed
+    assert node_of["evaluator"] == node_of["learner"]
+    assert status(results)["phase"] == "done"
+
+
+@pytest.mark.timeout(240)
+def test_a_lost_node_brings_its_actor_back_on_another(cluster, tmp_path):
+    nodes, workers = cluster
+    results = tmp_path / "run"
+    proc = _launch(results, *TINY, "--ray_address", nodes.address, "--learner_resources", "learner_node=1",
+                   "--actor_resources", "actor_node=1", "--num_actors", "2", "--max_env_steps", "5000")
+    env_steps: List[int] = []
+    try:
+        deadline = time.monotonic() + 150
+        while not rows(results / "actors" / "actor_0.csv") or not rows(results / "actors" / "actor_1.csv"):
+            assert proc.poll() is None and time.monotonic() < deadline, "actors did not write episodes"
+            env_steps.append(int(status(results).get("env_steps", 0)))
+            time.sleep(0.5)
+        victim = _node_of_worker(workers, ["actor", "--actor_id", "0"])
+        assert victim is not None, "actor_0's process is on no actor node"
+        nodes.remove_node(victim)
+        while proc.poll() is None:
+            env_steps.append(int(status(results).get("env_steps", 0)))
+            time.sleep(0.5)
+        out = _finish(proc, 60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    summary = _assert_complete(results, 2)
+    assert any(e.startswith("actor_0 died") and "restart 1/" in e for e in summary["events"]), out[-3000:]
+    assert any(e.startswith("actor_0 (incarnation 1) on node") for e in summary["events"]), summary["events"]
+    assert summary["env_steps"] >= 5000
+    assert env_steps == sorted(env_steps), "env steps went backwards"
+    learner_env_steps = [r["env_steps"] for r in rows(results / "learner.csv")]
+    assert learner_env_steps == sorted(learner_env_steps)
+    # One header, then the episodes of both incarnations of actor 0.
+    text = (results / "actors" / "actor_0.csv").read_text().splitlines()
+    assert sum(line.startswith("actor_id") for line in text) == 1
