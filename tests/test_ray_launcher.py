@@ -218,12 +218,18 @@ def _node_of_worker(workers, role_args: List[str]):
     return None
 
 
+def _cluster_run(nodes, results: Path, actor_node: int, env_steps: int) -> subprocess.Popen:
+    """Two actors needing `actor_node` each (2 fills an actor node), the learner on the head."""
+    return _launch(results, *TINY, "--ray_address", nodes.address, "--learner_resources", "learner_node=1",
+                   "--actor_resources", f"actor_node={actor_node}", "--num_actors", "2",
+                   "--max_env_steps", str(env_steps))
+
+
 @pytest.mark.timeout(200)
 def test_learner_and_actors_on_separate_nodes(cluster, tmp_path):
     nodes, _ = cluster
     results = tmp_path / "run"
-    proc = _launch(results, *TINY, "--ray_address", nodes.address, "--learner_resources", "learner_node=1",
-                   "--actor_resources", "actor_node=2", "--num_actors", "2", "--max_env_steps", "2500")
+    proc = _cluster_run(nodes, results, actor_node=2, env_steps=2500)
     _finish(proc, 180)
     summary = _assert_complete(results, 2)
     placed = [e for e in summary["events"] if " on node " in e]
@@ -238,8 +244,7 @@ def test_learner_and_actors_on_separate_nodes(cluster, tmp_path):
 def test_a_lost_node_brings_its_actor_back_on_another(cluster, tmp_path):
     nodes, workers = cluster
     results = tmp_path / "run"
-    proc = _launch(results, *TINY, "--ray_address", nodes.address, "--learner_resources", "learner_node=1",
-                   "--actor_resources", "actor_node=1", "--num_actors", "2", "--max_env_steps", "5000")
+    proc = _cluster_run(nodes, results, actor_node=1, env_steps=5000)
     env_steps: List[int] = []
     try:
         deadline = time.monotonic() + 150
