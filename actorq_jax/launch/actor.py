@@ -25,9 +25,9 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
-from actorq_jax.launch import runtime
+from actorq_jax.launch import runtime, vector_env
 
 log = logging.getLogger(__name__)
 
@@ -84,29 +84,25 @@ class Link:
 
 
 class Actor:
-    """One actor: its environment, jitted policy, adder and variable client."""
+    """One actor: its K environments (--envs_per_actor), jitted batched policy, K adders and variable client.
+
+    Each actor step is one policy call on the K observations, K environment steps and K adder writes;
+    environment k has its own n-step adder stream, and its episodes end and restart on their own.
+    """
 
     def __init__(self, run: Any, agent_config: Any, actor_id: int, address: str, stop: threading.Event,
                  restart: int = 0, server_timeout_s: Optional[float] = None):
-        import jax
-
-        from actorq_jax.environments import environment_spec, make_environment
+        from actorq_jax.environments import environment_spec
         from actorq_jax.launch.precision import ActorPrecision, make_param_loader, resolve_backend
         from actorq_jax.quantization import QuantConfig, quantize
         from actorq_jax.telemetry import PhaseTimer
 
         self.run, self.agent_config, self.actor_id, self.address, self.stop = run, agent_config, actor_id, address, stop
-        seed = runtime.derive_seed(run.seed, actor_id, restart)
-        self.env = make_environment(run.task, seed=seed)
-        self.builder = runtime.make_builder(run.agent, agent_config, environment_spec(self.env))
-        policy = self.builder.behaviour_policy(actor_id, run.num_actors)
-
-        @jax.jit
-        def act(params: Any, key: jax.Array, step: jax.Array, observation: jax.Array) -> jax.Array:
-            # Folding the step in inside jit keeps key handling off the per-step Python path.
-            return policy(params, jax.random.fold_in(key, step), observation)
-
-        self.act, self.key = act, jax.random.PRNGKey(seed)
+        envs_per_actor = int(getattr(run, "envs_per_actor", 1))
+        self.envs = vector_env.VectorEnv(run.task, vector_env.env_seeds(run.seed, actor_id, restart, envs_per_actor))
+        self.builder = runtime.make_builder(run.agent, agent_config, environment_spec(self.envs.envs[0]))
+        self.act = vector_env.make_vector_act(
+            self.builder.vector_behaviour_policy(actor_id, run.num_actors, envs_per_actor))
         precision = ActorPrecision(run.actor_bits, run.wire_bits, run.granularity, run.actor_backend, run.int8_mode)
         if resolve_backend(precision) == "int8":
             from actorq_jax import kernels
@@ -120,7 +116,9 @@ class Actor:
         self.link = Link(address, server_timeout_s, stop, lambda: self.variables.version if self.variables else None)
         self.timer = PhaseTimer()
         self.variables: Any = None
-        self.adder: Any = None
+        self.adders: List[Any] = []
+        self.needs_start = True  # every environment must start an episode before the next step
+        self.steps = 0  # actor steps: each steps every environment once (and is each one's step count)
         self.total_steps = self.episodes = self.abandoned = self._timings_seen = 0
         self.start = time.monotonic()
 
@@ -140,7 +138,7 @@ class Actor:
             if self.link.wait():  # the server is up but publishes nothing: a clear error, not a hang
                 raise
             return False
-        self.adder = self._new_adder()
+        self.adders = [self._new_adder() for _ in range(len(self.envs))]
         return True
 
     def _new_adder(self) -> Any:
@@ -152,84 +150,100 @@ class Actor:
         return NStepAdder(reverb.Client(self.address), config.table, config.n_step, config.discount,
                           timeout_s=min(WRITE_TIMEOUT_S, self.link.timeout_s), connect_timeout_s=self.link.timeout_s)
 
-    def _write(self, call: Callable[[], None]) -> bool:
-        """Runs one adder call; False when the episode had to be abandoned (the server restarted)."""
+    def _write(self, k: int, call: Callable[[Any], None]) -> bool:
+        """Runs one call on environment k's adder; False when the episodes had to be abandoned (the server
+        restarted)."""
         from actorq_jax.replay import WriteTimeout
 
         try:
-            call()
+            call(self.adders[k])
             return True
         except WriteTimeout:
-            return self._recover(wait_for_writes=True)
+            return self._recover(self.adders[k], wait_for_writes=True)
         except (RuntimeError, ConnectionError) as error:  # a broken writer stream: start over
             log.warning("replay write to %s failed: %s", self.address, error)
-            return self._recover(wait_for_writes=False)
+            return self._recover(self.adders[k], wait_for_writes=False)
 
-    def _recover(self, wait_for_writes: bool) -> bool:
-        """Waits out a busy server, or reconnects to one that went away (abandoning the episode)."""
+    def _recover(self, adder: Any, wait_for_writes: bool) -> bool:
+        """Waits out a busy server, or reconnects to one that went away (abandoning every environment's episode)."""
         from actorq_jax.replay import WriteTimeout
 
         outages = self.link.outages
         # The server has not confirmed anything since the write that timed out began.
-        silent_since = time.monotonic() - ((self.adder.timeout_s or 0.0) if wait_for_writes else 0.0)
+        silent_since = time.monotonic() - ((adder.timeout_s or 0.0) if wait_for_writes else 0.0)
         while wait_for_writes and not self.stop.is_set() and self.link.reachable():
             try:
-                self.adder.wait()  # the rate limiter holds our items: the learner is busy, not gone
+                adder.wait()  # the rate limiter holds our items: the learner is busy, not gone
                 return True
             except WriteTimeout:
-                silent_since = time.monotonic() - (self.adder.timeout_s or 0.0)
+                silent_since = time.monotonic() - (adder.timeout_s or 0.0)
         if not self.link.wait(since=silent_since):
             return False  # stopped while waiting
         if self.link.outages > outages:
             log.info("learner at %s answers again; reconnecting (params version %s)", self.address,
                      self.variables.version)
-        self._close_adder()
+        self._close_adders()
         self.variables.reconnect()
-        self.adder = self._new_adder()
+        self.adders = [self._new_adder() for _ in range(len(self.envs))]
         self.abandoned += 1
         return False
 
-    def _close_adder(self, flush: bool = True) -> None:
+    def _close_adders(self, flush: bool = True) -> None:
         from actorq_jax.replay import WriteTimeout
 
-        try:
-            self.adder.close(flush=flush)
-        except (WriteTimeout, RuntimeError) as error:
-            log.info("dropped unconfirmed items of %s: %s", self.address, error)
+        for adder in self.adders:
+            try:
+                adder.close(flush=flush)
+            except (WriteTimeout, RuntimeError) as error:
+                log.info("dropped unconfirmed items of %s: %s", self.address, error)
 
     # -- acting -------------------------------------------------------------------
 
-    def run_episode(self) -> Optional[Dict[str, Any]]:
-        """Acts for one episode; its CSV row, or None when stopped or abandoned."""
+    def start_episodes(self) -> bool:
+        """Starts an episode in every environment; False when stopped or abandoned (call again)."""
+        self.needs_start = not all(self._start_episode(k) for k in range(len(self.envs)))
+        return not self.needs_start
+
+    def _start_episode(self, k: int) -> bool:
+        adder = self.adders[k]
+        adder.priority = self.variables.meta.get("max_priority", adder.priority)
+        with self.timer.phase("env_step"):
+            timestep = self.envs.reset(k)
+        with self.timer.phase("adder"):
+            return self._write(k, lambda a: a.add_first(timestep))
+
+    def step(self) -> List[Dict[str, Any]]:
+        """One actor step (one batched inference, K env steps, K adder writes); the CSV rows of the episodes it
+        finished. When it had to abandon the episodes (stopped, or the server restarted) it sets needs_start."""
         import numpy as np
 
-        self.adder.priority = self.variables.meta.get("max_priority", self.adder.priority)
-        timestep = self.env.reset()
-        if not self._write(lambda: self.adder.add_first(timestep)):
-            return None
-        episode_return, length = 0.0, 0
-        while not timestep.last() and not self.stop.is_set():
-            with self.timer.phase("inference"):
-                action = np.asarray(self.act(self.variables.params, self.key, self.total_steps, timestep.observation))
-            with self.timer.phase("env_step"):
-                timestep = self.env.step(action)
-            with self.timer.phase("adder"):
-                waited = self.adder.wait_s
-                written = self._write(lambda: self.adder.add(action, timestep))  # noqa: B023 (called at once)
-                # A reconnect replaces the adder (its wait starts again at 0): count no negative wait.
-                self.timer.add("rate_limit_wait", max(0.0, self.adder.wait_s - waited))
-            if not written:
-                return None
+        with self.timer.phase("inference"):
+            actions = np.asarray(self.act(self.variables.params, self.envs.keys, self.steps, self.envs.observations()))
+        with self.timer.phase("env_step"):
+            timesteps = self.envs.step(actions)
+        with self.timer.phase("adder"):
+            waited = sum(a.wait_s for a in self.adders)
+            written = all(self._write(k, lambda a: a.add(actions[k], timesteps[k]))  # noqa: B023 (called at once)
+                          for k in range(len(self.envs)))
+            # A reconnect replaces the adders (their waits start again at 0): count no negative wait.
+            self.timer.add("rate_limit_wait", max(0.0, sum(a.wait_s for a in self.adders) - waited))
+        if not written:
+            self.needs_start = True
+            return []
+        for _ in range(len(self.envs)):  # update_period counts env steps
             self.variables.update()
-            episode_return += float(timestep.reward)
-            length += 1
-            self.total_steps += 1
-        if not timestep.last():
-            return None  # stopped mid-episode: the partial episode is not logged as a return
-        self.episodes += 1
-        return self._row(episode_return, length)
+        self.steps += 1
+        self.total_steps += len(self.envs)
+        rows = []
+        for finished in self.envs.finished():
+            self.episodes += 1
+            rows.append(self._row(finished))
+            if not self._start_episode(finished.env_index):
+                self.needs_start = True
+                break
+        return rows
 
-    def _row(self, episode_return: float, length: int) -> Dict[str, Any]:
+    def _row(self, finished: "vector_env.Finished") -> Dict[str, Any]:
         from actorq_jax.telemetry import ACTOR_PHASES
 
         timings = self.variables.timings
@@ -245,9 +259,10 @@ class Actor:
         return {
             "actor_id": self.actor_id,
             "episode": self.episodes,
+            "env_index": finished.env_index,
             "env_steps": self.total_steps,
-            "episode_return": episode_return,
-            "episode_length": length,
+            "episode_return": finished.episode_return,
+            "episode_length": finished.episode_length,
             "wall_seconds": round(time.monotonic() - self.start, 3),
             "params_version": self.variables.version,
             "rejected_payloads": self.variables.rejected,
@@ -258,8 +273,7 @@ class Actor:
         """Stops the variable client and flushes the adder (bounded; not at all when the server is gone)."""
         if self.variables is not None:
             self.variables.stop(timeout_s=0.5 if server_gone else None)
-        if self.adder is not None:
-            self._close_adder(flush=not server_gone)
+        self._close_adders(flush=not server_gone)
 
 
 def run_actor(
@@ -284,8 +298,9 @@ def run_actor(
         if not actor.connect():
             return 0
         while not stop.is_set() and (max_episodes is None or actor.episodes < max_episodes):
-            row = actor.run_episode()
-            if row is not None:
+            if actor.needs_start and not actor.start_episodes():
+                continue  # stopped, or the server restarted while the episodes started
+            for row in actor.step():
                 logger.write(row)
         return 0
     except ServerGone as error:

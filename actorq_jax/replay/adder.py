@@ -32,18 +32,21 @@ class NStepAdder:
             timestep = env.step(action)
             adder.add(action, timestep)
 
-    The item for step t is written once o_{t+n} is known; when the episode ends
+    The item for step t is created once o_{t+n} is written; when the episode ends
     (a LAST timestep) the remaining m < n steps are written with m-step rewards and
     discounts. A terminal step (env discount 0) cuts the bootstrap (discount 0); a
     truncation (LAST with discount > 0) keeps it. Observations and actions are
     written once per step and items reference them; only the n-step reward and
-    discount are written per item.
+    discount are written per item. Each env step is one writer append (o_t with a_t, and
+    the reward/discount of the item o_t completes), so o_{t+1} reaches the writer with
+    a_{t+1} or at the episode's end.
 
     `reset()` abandons an unfinished episode: items already created are still sent,
     the last (< n) steps whose n-step return is unknown are dropped.
 
-    The writer blocks in `add` when the table's rate limiter refuses inserts (the
-    learner is behind) beyond `max_in_flight_items`. With `timeout_s`, no call
+    Every `max_in_flight_items / 2` items (every item when that is 0 or 1), `add` waits
+    until at most `max_in_flight_items` await the server: it blocks while the table's
+    rate limiter refuses inserts (the learner is behind). With `timeout_s`, no call
     blocks longer than that: a wait that runs out raises WriteTimeout (the caller
     tells a busy server from a gone one); None waits as long as it takes.
     """
@@ -73,6 +76,11 @@ class NStepAdder:
         # The farthest an item reaches back: o_t is n steps before o_{t+n}, plus up to
         # n-1 extra per-item steps appended at the end of an episode.
         self._writer = client.trajectory_writer(num_keep_alive_refs=2 * n_step + 2)
+        self._columns: Optional[Tuple[Any, ...]] = None
+        # Waiting for the server every step costs a round trip per step; every few items bounds the
+        # items in flight just as well (at most max_in_flight_items + flush_every).
+        self._flush_every = max(1, self._max_in_flight // 2)
+        self._flushed_at = 0
         self.items_written = 0
         self.steps_added = 0
         self.episodes = 0
@@ -99,14 +107,14 @@ class NStepAdder:
         self._flush(self._max_in_flight)
 
     def add_first(self, timestep: Any) -> None:
-        """Starts an episode at a FIRST timestep (writes o_0)."""
+        """Starts an episode at a FIRST timestep (o_0 is written with a_0)."""
         _check_timestep(timestep)
         if self._in_episode:
             raise ValueError(
                 "add_first called in the middle of an episode; call reset() to abandon it first")
         if not timestep.first():
             raise ValueError(f"add_first needs a FIRST timestep, got step_type={timestep.step_type!r}")
-        self._append_observation(timestep.observation)
+        self._pending = self._cast("observation", timestep.observation)
         self._in_episode = True
 
     def add(self, action: Any, next_timestep: Any, priority: Optional[float] = None) -> None:
@@ -122,39 +130,36 @@ class NStepAdder:
         reward = float(np.asarray(next_timestep.reward if next_timestep.reward is not None else 0.0))
         env_discount = float(np.asarray(
             next_timestep.discount if next_timestep.discount is not None else 1.0))
-        # Close o_t's step with a_t, then open the step of o_{t+1}; the item that
-        # o_{t+1} completes (o_{t+1-n}'s) rides on that step with its reward/discount.
-        self._writer.append({"action": self._cast("action", action)})
-        self._step_open = False
+        # One writer step per env step: o_t with a_t, plus the n-step reward/discount of the item
+        # that o_t completes (o_{t-n}'s). o_{t+1} waits for a_{t+1} (or the episode's end).
+        self._write_step(self._cast("action", action), priority)
         self._rewards.append(reward)
         self._discounts.append(env_discount)
         self.steps_added += 1
-        t_next = len(self._obs_steps)  # episode index of o_{t+1}
-        first = t_next - self._n
-        self._append_observation(next_timestep.observation,
-                                 self._item_values(first, t_next) if first >= 0 else None)
-        if first >= 0:
-            self._create_item(first, t_next, priority)
+        self._pending = self._cast("observation", next_timestep.observation)
         if next_timestep.last():
+            t_last = self._t
+            self._write_step(None, priority)  # o_T, and o_{T-n}'s item
             # The last min(n, T) - 1 (or, for T < n, all T) steps have no o_{t+n}:
             # each gets a step of its own holding its m-step reward/discount.
-            for t in range(max(first + 1, 0), t_next):
-                self._close_step()
-                self._writer.append(self._item_values(t, t_next))
-                self._steps += 1
-                self._create_item(t, t_next, priority)
+            for t in range(max(t_last - self._n + 1, 0), t_last):
+                self._writer.append(self._item_values(t, t_last))
+                self._create_item(t, t_last, priority)
             try:
                 self._end_episode()
             finally:
                 # Reverb resets the episode even when the wait for its items runs out.
                 self.episodes += 1
                 self._start_episode_state()
-        else:
+        elif self.items_written - self._flushed_at >= self._flush_every:
+            self._flushed_at = self.items_written
             self._flush(self._max_in_flight)
 
     def reset(self) -> None:
         """Abandons the current episode (see class doc) and flushes created items."""
         try:
+            if self._in_episode and self._t >= self._n:
+                self._write_step(None, self._priority)  # the item the last observation completes
             self._end_episode()
         finally:
             self._start_episode_state()
@@ -164,7 +169,7 @@ class NStepAdder:
         if self._writer is not None:
             try:
                 if flush:
-                    self._end_episode()
+                    self.reset()
             finally:
                 self._writer.close()
                 self._writer = None
@@ -179,22 +184,29 @@ class NStepAdder:
 
     def _start_episode_state(self) -> None:
         self._in_episode = False
-        self._steps = 0  # writer steps this episode (an open step counts)
-        self._obs_steps = []  # writer step index of o_0, o_1, ...
-        # r_{k+1}, d_{k+1} of the last n env transitions, and the episode step of the first.
+        self._pending: Optional[np.ndarray] = None  # o_t, written with a_t
+        self._t = 0  # episode index of the pending observation (= its writer step)
+        # r_{k+1}, d_{k+1} of the last n env transitions.
         self._rewards: Deque[float] = collections.deque(maxlen=self._n)
         self._discounts: Deque[float] = collections.deque(maxlen=self._n)
-        self._step_open = False
 
-    def _close_step(self) -> None:
-        # The writer keeps a step open across end_episode, so close it explicitly.
-        if self._step_open:
-            self._writer.append({})
-            self._step_open = False
+    def _write_step(self, action: Optional[np.ndarray], priority: float) -> None:
+        """Appends the pending observation's step (with a_t unless None) and creates the item it completes."""
+        t, first = self._t, self._t - self._n
+        step = {"observation": self._pending}
+        if action is not None:
+            step["action"] = action
+        if first >= 0:
+            step.update(self._item_values(first, t))
+        self._writer.append(step)
+        self._pending = None
+        self._t += 1
+        if first >= 0:
+            self._create_item(first, t, priority)
 
     def _end_episode(self) -> None:
-        self._close_step()
         start = time.perf_counter()
+        self._flushed_at = self.items_written
         try:
             self._writer.end_episode(clear_buffers=True, timeout_ms=self._timeout_ms)
         except reverb.DeadlineExceededError as error:
@@ -213,15 +225,6 @@ class NStepAdder:
         finally:
             self.wait_s += time.perf_counter() - start
 
-    def _append_observation(self, observation: Any, extra: Optional[Dict[str, Any]] = None) -> None:
-        values = {"observation": self._cast("observation", observation)}
-        if extra:
-            values.update(extra)
-        self._writer.append(values, partial_step=True)
-        self._obs_steps.append(self._steps)
-        self._steps += 1
-        self._step_open = True
-
     def _item_values(self, t: int, t_next: int) -> Dict[str, np.ndarray]:
         """The n-step reward and discount of the item from o_t to o_{t_next}."""
         # rewards/discounts deques hold transitions t_next-len .. t_next-1.
@@ -233,18 +236,20 @@ class NStepAdder:
         return {"reward": np.float32(total), "discount": np.float32(scale)}
 
     def _create_item(self, t: int, t_next: int, priority: float) -> None:
-        """Item (o_t, a_t, reward/discount of the last step, o_{t_next})."""
-        history = self._writer.history
-        obs_col, act_col = history["observation"], history["action"]
+        """Item (o_t, a_t, reward/discount of the last step, o_{t_next}); o_k sits at the episode's writer step k."""
+        if self._columns is None:
+            history = self._writer.history  # rebuilt on every access: keep its columns once all exist
+            self._columns = tuple(history[f] for f in ("observation", "action", "reward", "discount"))
+        obs_col, act_col, reward_col, discount_col = self._columns
         self._writer.create_item(
             table=self._table,
             priority=priority,
             trajectory={
-                "observation": obs_col[self._obs_steps[t]],
-                "action": act_col[self._obs_steps[t]],
-                "reward": history["reward"][-1],
-                "discount": history["discount"][-1],
-                "next_observation": obs_col[self._obs_steps[t_next]],
+                "observation": obs_col[t],
+                "action": act_col[t],
+                "reward": reward_col[-1],
+                "discount": discount_col[-1],
+                "next_observation": obs_col[t_next],
             })
         self.items_written += 1
 
