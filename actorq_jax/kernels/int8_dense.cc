@@ -856,21 +856,29 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma"))) void W8A32Avx512(
 //   row scale sx = amax / 127.
 // Rounding uses the 1.5 * 2^23 trick (exact round-half-to-even for |v| < 2^22
 // in the default rounding mode), which avoids a libm call per element.
-void QuantizeRows(const float* x, int64_t M, int64_t K, int64_t K4, int8_t* q, float* sx) {
+void QuantizeValues(const float* x, int64_t n, float inv, int8_t* q) {
   const float kMagic = 12582912.0f;
+  for (int64_t k = 0; k < n; ++k) {
+    float v = x[k] * inv;
+    v = std::min(127.f, std::max(-127.f, v));
+    v = (v + kMagic) - kMagic;
+    q[k] = static_cast<int8_t>(v);
+  }
+}
+
+// 127 / amax (0 for an all-zero row), and the row scale amax / 127 into *sx.
+inline float RowInverse(float amax, float* sx) {
+  *sx = amax / 127.0f;
+  return amax > 0.f ? 127.0f / amax : 0.f;
+}
+
+void QuantizeRows(const float* x, int64_t M, int64_t K, int64_t K4, int8_t* q, float* sx) {
   for (int64_t m = 0; m < M; ++m) {
     const float* xr = x + m * K;
     float amax = 0.f;
     for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(xr[k]));
-    const float inv = amax > 0.f ? 127.0f / amax : 0.f;
-    sx[m] = amax / 127.0f;
     int8_t* qr = q + m * K4 * 4;
-    for (int64_t k = 0; k < K; ++k) {
-      float v = xr[k] * inv;
-      v = std::min(127.f, std::max(-127.f, v));
-      v = (v + kMagic) - kMagic;
-      qr[k] = static_cast<int8_t>(v);
-    }
+    QuantizeValues(xr, K, RowInverse(amax, sx + m), qr);
     for (int64_t k = K; k < K4 * 4; ++k) qr[k] = 0;
   }
 }
@@ -893,10 +901,7 @@ __attribute__((target(kAvx512Target))) void QuantizeRowsAvx512(const float* x, i
       const __m512 v = _mm512_maskz_loadu_ps(mk, xr + k);
       vmax = _mm512_max_ps(vmax, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), abs_mask)));
     }
-    const float amax = _mm512_reduce_max_ps(vmax);
-    const float inv = amax > 0.f ? 127.0f / amax : 0.f;
-    sx[m] = amax / 127.0f;
-    const __m512 vinv = _mm512_set1_ps(inv);
+    const __m512 vinv = _mm512_set1_ps(RowInverse(_mm512_reduce_max_ps(vmax), sx + m));
     int8_t* qr = q + m * K4 * 4;
     for (int64_t k = 0; k < K4 * 4; k += 16) {
       const int64_t left = std::min<int64_t>(16, K - k);
@@ -906,6 +911,36 @@ __attribute__((target(kAvx512Target))) void QuantizeRowsAvx512(const float* x, i
       const int64_t width = std::min<int64_t>(16, K4 * 4 - k);  // the padding (zeros) is written too
       _mm_mask_storeu_epi8(qr + k, static_cast<__mmask16>(width >= 16 ? 0xffffu : (1u << width) - 1u), b);
     }
+  }
+}
+
+
+// The same for AVX2 (no flip: its W8A8 tiles take signed activations).
+__attribute__((target("avx2,fma"))) void QuantizeRowsAvx2(const float* x, int64_t M, int64_t K, int64_t K4, int8_t* q,
+                                                          float* sx) {
+  const __m256 lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * K;
+    __m256 vmax = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(xr + k), abs_mask));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, vmax);
+    float amax = 0.f;
+    for (float v : lanes) amax = std::max(amax, v);
+    for (; k < K; ++k) amax = std::max(amax, std::fabs(xr[k]));
+    const float inv = RowInverse(amax, sx + m);
+    const __m256 vinv = _mm256_set1_ps(inv);
+    int8_t* qr = q + m * K4 * 4;
+    for (k = 0; k + 8 <= K; k += 8) {
+      const __m256 v = _mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_mul_ps(_mm256_loadu_ps(xr + k), vinv)));
+      const __m256i i = _mm256_cvtps_epi32(v);  // round half to even, as the scalar trick
+      const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(qr + k), _mm_packs_epi16(w, w));
+    }
+    QuantizeValues(xr + k, K - k, inv, qr + k);
+    for (k = K; k < K4 * 4; ++k) qr[k] = 0;
   }
 }
 #endif
@@ -924,6 +959,10 @@ int8_t* QuantizeToScratch(const float* x, int64_t M, int64_t K, int64_t ld, int6
 #if ACTORQ_X86
   if (path == kAvx512) {
     QuantizeRowsAvx512(x, M, K, ld / 4, flip, q.data(), scales.data());
+    return q.data();
+  }
+  if (path == kAvx2) {
+    QuantizeRowsAvx2(x, M, K, ld / 4, q.data(), scales.data());
     return q.data();
   }
 #endif
