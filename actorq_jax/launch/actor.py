@@ -18,6 +18,7 @@ already in its CSV.
 """
 
 import argparse
+import collections
 import dataclasses
 import json
 import logging
@@ -25,7 +26,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Deque, Dict, List, Optional
 
 from actorq_jax.launch import runtime, vector_env
 
@@ -118,6 +119,7 @@ class Actor:
         self.variables: Any = None
         self.adders: List[Any] = []
         self.needs_start = True  # every environment must start an episode before the next step
+        self._ready: Deque[Dict[str, Any]] = collections.deque()  # rows of finished episodes run_episode has not returned
         self.steps = 0  # actor steps: each steps every environment once (and is each one's step count)
         self.total_steps = self.episodes = self.abandoned = self._timings_seen = 0
         self.start = time.monotonic()
@@ -199,14 +201,22 @@ class Actor:
 
     # -- acting -------------------------------------------------------------------
 
+    def run_episode(self) -> Optional[Dict[str, Any]]:
+        """Acts until one of the environments finishes an episode; its CSV row, or None when stopped or abandoned."""
+        while not self._ready:
+            if self.stop.is_set() or (self.needs_start and not self.start_episodes()):
+                return None
+            self._ready.extend(self.step())
+            if self.needs_start and not self._ready:
+                return None  # the episodes were abandoned
+        return self._ready.popleft()
+
     def start_episodes(self) -> bool:
         """Starts an episode in every environment; False when stopped or abandoned (call again)."""
         self.needs_start = not all(self._start_episode(k) for k in range(len(self.envs)))
         return not self.needs_start
 
     def _start_episode(self, k: int) -> bool:
-        adder = self.adders[k]
-        adder.priority = self.variables.meta.get("max_priority", adder.priority)
         with self.timer.phase("env_step"):
             timestep = self.envs.reset(k)
         with self.timer.phase("adder"):
@@ -223,7 +233,9 @@ class Actor:
             timesteps = self.envs.step(actions)
         with self.timer.phase("adder"):
             waited = sum(a.wait_s for a in self.adders)
-            written = all(self._write(k, lambda a: a.add(actions[k], timesteps[k]))  # noqa: B023 (called at once)
+            # Prioritized replay: new items enter at the largest priority the learner has written back.
+            priority = self.variables.meta.get("max_priority")
+            written = all(self._write(k, lambda a: a.add(actions[k], timesteps[k], priority))  # noqa: B023
                           for k in range(len(self.envs)))
             # A reconnect replaces the adders (their waits start again at 0): count no negative wait.
             self.timer.add("rate_limit_wait", max(0.0, sum(a.wait_s for a in self.adders) - waited))
@@ -297,11 +309,12 @@ def run_actor(
     try:
         if not actor.connect():
             return 0
-        while not stop.is_set() and (max_episodes is None or actor.episodes < max_episodes):
-            if actor.needs_start and not actor.start_episodes():
-                continue  # stopped, or the server restarted while the episodes started
-            for row in actor.step():
+        written = 0
+        while not stop.is_set() and (max_episodes is None or written < max_episodes):
+            row = actor.run_episode()
+            if row is not None:
                 logger.write(row)
+                written += 1
         return 0
     except ServerGone as error:
         gone = error
