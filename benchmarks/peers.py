@@ -193,6 +193,8 @@ def main(argv: list | None = None) -> int:
         import onnxruntime
 
         machine["onnxruntime"] = onnxruntime.__version__
+        machine["onnxruntime_int8"] = ("quantize_dynamic(weight_type=QInt8): int8 weights, one scale per tensor; "
+                                       "activations quantized per call")
     except ImportError:
         machine["onnxruntime"] = "not installed"
     kernel = rows[0]["kernel"] if rows else "unknown"
