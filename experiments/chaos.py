@@ -1,0 +1,279 @@
+"""Fault-injection soak: one D4PG run under fire, then the checks that nothing was lost.
+
+    python experiments/chaos.py --minutes 15            # the full soak (results in results/chaos_<time>)
+    python experiments/chaos.py --quick                 # a few minutes; what the test suite runs
+
+Every 20-40 s (seeded) it SIGKILLs a random actor; once it SIGKILLs the learner (the launcher restarts
+it in place), once it stops the whole run and resumes it with --resume, once it inserts a malformed
+payload into the variables table. Then it runs an undisturbed run of the same number of learner steps
+and checks: every actor CSV row well-formed; learner steps and env steps monotonic across the whole
+run (learner.csv and the summary of each launch); no process left; the chaos run's final evaluation
+return within the range of the undisturbed run's evaluations. Prints one line per check; exit code 0
+when every check passes, 1 otherwise.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Set
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "disable"), "TF_CPP_MIN_LOG_LEVEL": "2"}
+# Small networks: the soak is about faults, not about learning fast. Each checkpoint writes the
+# whole replay table, so the table is kept small and checkpoints some seconds apart.
+RUN_FLAGS = [
+    "--task", "cartpole_balance", "--policy_layers", "32,32", "--critic_layers", "64,64",
+    "--batch_size", "32", "--min_replay_size", "200", "--samples_per_insert", "4", "--max_replay_size", "20000",
+    "--publish_period", "10", "--update_period", "50", "--eval_period", "500", "--checkpoint_period", "1000",
+    "--server_timeout_s", "60", "--max_actor_restarts", "100000",
+]
+QUICK_FLAGS = ["--max_replay_size", "5000", "--checkpoint_period", "500"]
+SPECIAL = ("kill_learner", "stop_and_resume", "malformed_payload")
+
+
+@dataclasses.dataclass
+class Soak:
+    """One soak's settings."""
+
+    results: Path
+    seconds: float
+    gap_s: tuple
+    num_actors: int
+    seed: int
+    flags: tuple = tuple(RUN_FLAGS)
+
+
+def _status(results: Path) -> Dict[str, Any]:
+    try:
+        return json.loads((results / "status" / "learner.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def _launch(results: Path, flags: List[str], log) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(REPO / "experiments" / "run_d4pg.py"), *flags,
+                             "--results_dir", str(results)], cwd=REPO, env=ENV, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _children(proc: subprocess.Popen) -> List[Any]:
+    import psutil
+
+    try:
+        return psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _actors(proc: subprocess.Popen) -> List[Any]:
+    out = []
+    for child in _children(proc):
+        try:
+            cmd = child.cmdline()
+        except Exception:  # gone while we looked (psutil.NoSuchProcess, AccessDenied)
+            continue
+        if "actorq_jax.launch.worker" in cmd and "actor" in cmd:
+            out.append(child)
+    return out
+
+
+def _wait_up(results: Path, proc: subprocess.Popen, old_pid: Optional[int] = None, timeout_s: float = 600) -> Dict:
+    """The learner's status once it trains again: running (another process than old_pid), past its restored step."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        status = _status(results)
+        if (status.get("phase") == "running" and status.get("pid") != old_pid
+                and status.get("learner_steps", 0) > status.get("restored", {}).get("learner_steps", 0)):
+            return status
+        time.sleep(0.5)
+    raise RuntimeError(f"the learner of {results} did not come up within {timeout_s:.0f} s (launcher code {proc.poll()})")
+
+
+def _schedule(soak: Soak) -> List[tuple]:
+    """(seconds from the start, event) every gap_s, the special events at seeded places, actor kills between."""
+    rng = random.Random(soak.seed)
+    times, t = [], 0.0
+    while True:
+        t += rng.uniform(*soak.gap_s)
+        if t > soak.seconds:
+            break
+        times.append(t)
+    if len(times) < len(SPECIAL):
+        raise ValueError(f"{soak.seconds:.0f} s leave room for {len(times)} events; need {len(SPECIAL)} at least")
+    events = ["kill_actor"] * len(times)
+    for slot, name in zip(rng.sample(range(len(times)), len(SPECIAL)), SPECIAL):
+        events[slot] = name
+    return list(zip(times, events))
+
+
+def _malformed_payload(address: str) -> None:
+    import numpy as np
+    import reverb
+
+    from actorq_jax.launch import runtime
+    from actorq_jax.replay.variables import insert_wire
+
+    insert_wire(reverb.Client(address), runtime.VARIABLES_TABLE,
+                [np.frombuffer(b'{"format": "actorq-wire", "format_version": 1, "chaos": true}', np.uint8)])
+
+
+def _paused(results: Path, proc: subprocess.Popen, old_pid: Optional[int] = None) -> float:
+    """Seconds until the learner trains again: the schedule's clock stands still meanwhile, so the run gets its time."""
+    began = time.monotonic()
+    _wait_up(results, proc, old_pid)
+    return time.monotonic() - began
+
+
+def run_soak(soak: Soak, say) -> Dict[str, Any]:
+    """Runs the disturbed run; returns what the checks need (pids seen, summaries of each launch)."""
+    rng = random.Random(soak.seed + 1)
+    flags = [*soak.flags, "--num_actors", str(soak.num_actors), "--seed", str(soak.seed), "--max_seconds", "100000"]
+    soak.results.parent.mkdir(parents=True, exist_ok=True)
+    log = open(soak.results.parent / f"{soak.results.name}.launcher.log", "ab")
+    seen: Set[int] = set()
+    summaries: List[Dict[str, Any]] = []
+    proc = _launch(soak.results, flags, log)
+    try:
+        _wait_up(soak.results, proc)  # the clock starts once the run trains
+        start = time.monotonic()
+        for at, event in _schedule(soak):
+            while time.monotonic() - start < at:
+                seen.update(c.pid for c in _children(proc))
+                if proc.poll() is not None:
+                    raise RuntimeError(f"the launcher exited (code {proc.returncode}) before the {event} at {at:.0f} s")
+                time.sleep(0.5)
+            status = _status(soak.results)
+            if event == "kill_actor":
+                actors = _actors(proc)
+                if actors:
+                    victim = rng.choice(actors)
+                    victim.kill()
+                    say(f"{at:6.0f}s  SIGKILL actor pid {victim.pid}")
+            elif event == "kill_learner":
+                os.kill(status["pid"], signal.SIGKILL)
+                say(f"{at:6.0f}s  SIGKILL learner at step {status.get('learner_steps')}")
+                start += _paused(soak.results, proc, old_pid=status["pid"])
+            elif event == "malformed_payload":
+                _malformed_payload(status["local_address"])
+                say(f"{at:6.0f}s  malformed payload into the variables table")
+            else:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=600)
+                summaries.append(json.loads((soak.results / "summary.json").read_text()))
+                say(f"{at:6.0f}s  stopped the run (code {proc.returncode}) at step {summaries[-1]['learner_steps']}; resuming")
+                proc = _launch(soak.results, ["--resume", str(soak.results)], log)
+                start += _paused(soak.results, proc)
+        while time.monotonic() - start < soak.seconds:
+            seen.update(c.pid for c in _children(proc))
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=600)
+        summaries.append(json.loads((soak.results / "summary.json").read_text()))
+        say(f"{soak.seconds:6.0f}s  stopped the run (code {proc.returncode}) at step {summaries[-1]['learner_steps']}")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+    return {"pids": seen, "summaries": summaries}
+
+
+def run_reference(results: Path, learner_steps: int, soak: Soak) -> Dict[str, Any]:
+    """An undisturbed run of the same number of learner steps; its summary."""
+    flags = [*soak.flags, "--num_actors", str(soak.num_actors), "--seed", str(soak.seed),
+             "--max_learner_steps", str(learner_steps)]
+    with open(results.parent / f"{results.name}.launcher.log", "ab") as log:
+        subprocess.run([sys.executable, str(REPO / "experiments" / "run_d4pg.py"), *flags, "--results_dir", str(results)],
+                       cwd=REPO, env=ENV, stdout=log, stderr=subprocess.STDOUT, check=False, timeout=3600)
+    return json.loads((results / "summary.json").read_text())
+
+
+def _monotonic(values: List[float], strict: bool) -> bool:
+    return all((b > a) if strict else (b >= a) for a, b in zip(values, values[1:]))
+
+
+def check(soak: Soak, disturbed: Dict[str, Any], reference_dir: Path) -> List[tuple]:
+    """(name, passed, detail) of every check."""
+    from actorq_jax.telemetry import ACTOR_FIELDS, read_csv
+
+    results = []
+    bad_rows, rows, rejected = [], 0, 0
+    for path in sorted((soak.results / "actors").glob("actor_*.csv")):
+        for i, row in enumerate(read_csv(path)):
+            rows += 1
+            rejected = max(rejected, row.get("rejected_payloads") or 0)
+            if list(row) != list(ACTOR_FIELDS) or any(not isinstance(row[k], (int, float)) for k in ACTOR_FIELDS):
+                bad_rows.append(f"{path.name}:{i + 2}")
+    results.append(("actor CSV rows well-formed", rows > 0 and not bad_rows,
+                    f"{rows} rows, {len(bad_rows)} malformed {bad_rows[:5]}; most payloads one actor rejected: {rejected}"))
+    learner = read_csv(soak.results / "learner.csv")
+    steps = [r["learner_steps"] for r in learner]
+    env_steps = [r["env_steps"] for r in learner]
+    summaries = disturbed["summaries"]
+    ok = (_monotonic(steps, strict=True) and _monotonic(env_steps, strict=False)
+          and _monotonic([s["learner_steps"] for s in summaries], strict=False)
+          and _monotonic([s["env_steps"] for s in summaries], strict=False))
+    results.append(("learner and env steps monotonic", ok,
+                    f"learner.csv {len(steps)} rows up to step {steps[-1] if steps else 0}; per launch: "
+                    + ", ".join(f"{s['learner_steps']}/{s['env_steps']}" for s in summaries)))
+    import psutil
+
+    left = [pid for pid in disturbed["pids"] if psutil.pid_exists(pid)
+            and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    results.append(("no process left", not left, f"{len(disturbed['pids'])} worker processes seen, alive: {left}"))
+    returns = [r["return"] for r in read_csv(reference_dir / "eval.csv") if r["policy"] == "fp32"]
+    final = summaries[-1]["final_eval_return"]
+    low, high = (min(returns), max(returns)) if returns else (float("nan"), float("nan"))
+    results.append(("final return within the undisturbed run's range", low <= final <= high,
+                    f"final {final:.1f}; undisturbed evaluations {low:.1f} .. {high:.1f} ({len(returns)})"))
+    return results
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Runs the soak and its checks; 0 when every check passes."""
+    parser = argparse.ArgumentParser(description="Fault-injection soak of one D4PG run (see the module doc).")
+    parser.add_argument("--minutes", type=float, default=15.0, help="length of the disturbed run")
+    parser.add_argument("--quick", action="store_true", help="a short soak: 25 s of events 4-6 s apart")
+    parser.add_argument("--num_actors", type=int, default=3, help="actors of the run")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the schedule, the victims and the runs")
+    parser.add_argument("--results_dir", default=None, help="where both runs go (default results/chaos_<time>)")
+    args = parser.parse_args(argv)
+    if not args.minutes > 0:
+        parser.error(f"--minutes must be > 0, got {args.minutes}")
+    if args.num_actors < 1:
+        parser.error(f"--num_actors must be >= 1, got {args.num_actors}")
+    root = Path(args.results_dir or f"results/chaos_{time.strftime('%Y%m%d-%H%M%S')}").absolute()
+    if (root / "chaos" / "config.json").exists():
+        parser.error(f"--results_dir: {root} already holds a soak")
+    # --quick: room for the three special events and at least one actor kill (restarts stop the clock).
+    seconds, gap = (25.0, (4.0, 6.0)) if args.quick else (args.minutes * 60.0, (20.0, 40.0))
+    soak = Soak(root / "chaos", seconds, gap, args.num_actors, args.seed,
+                tuple(RUN_FLAGS + (QUICK_FLAGS if args.quick else [])))
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+
+    say(f"chaos soak: {seconds:.0f} s, {args.num_actors} actors, seed {args.seed}, results in {root}")
+    disturbed = run_soak(soak, say)
+    learner_steps = disturbed["summaries"][-1]["learner_steps"]
+    if learner_steps < 1:
+        say("FAIL  the disturbed run took no learner step")
+        return 1
+    say(f"undisturbed run of {learner_steps} learner steps for the return range")
+    run_reference(root / "reference", learner_steps, soak)
+    outcome = check(soak, disturbed, root / "reference")
+    for name, passed, detail in outcome:
+        say(f"{'PASS' if passed else 'FAIL'}  {name}: {detail}")
+    (root / "chaos_report.json").write_text(json.dumps(
+        [{"check": n, "passed": bool(p), "detail": d} for n, p, d in outcome], indent=2))
+    return 0 if all(p for _, p, _ in outcome) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
