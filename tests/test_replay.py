@@ -393,6 +393,24 @@ def test_wait_for_first_times_out_with_clear_message():
 
 
 @pytest.mark.timeout(60)
+def test_update_counts_several_env_steps_at_once():
+    with ReplayServer([make_variables_table()]) as server:
+        publisher = VariablePublisher(wait_for_server(server.address, 10), config=INT8)
+        publisher.publish(small_params(1), version=1)
+        with VariableClient(server.address, update_period=10) as client:
+            client.wait_for_first(timeout_s=20)
+            publisher.publish(small_params(2), version=2)
+            client.update(steps=9)  # 9 env steps: no refresh is due
+            time.sleep(0.5)
+            assert client.version == 1 and client.steps == 9
+            client.update(steps=3)  # 12: the count passed 10
+            while client.version != 2:
+                time.sleep(0.05)
+            with pytest.raises(ValueError, match="steps"):
+                client.update(steps=0)
+
+
+@pytest.mark.timeout(60)
 def test_bad_payload_is_rejected_once_and_last_params_kept():
     with ReplayServer([make_variables_table()]) as server:
         publisher = VariablePublisher(wait_for_server(server.address, 10), config=INT8)

@@ -99,7 +99,7 @@ class VariablePublisher:
 class VariableClient:
     """An actor's view of the latest published policy, refreshed in a background thread.
 
-    Call `update()` once per env step: every `update_period` steps (and every 0.1 s
+    Call `update()` once per env step (`update(steps=K)` for K at once): every `update_period` steps (and every 0.1 s
     until the first weights arrive) it asks the background thread for a refresh and
     returns at once; `update(wait=True)` refreshes now and blocks. A refresh pulls the
     item from Reverb, decodes it with `from_wire(arrays, like)` and passes the result
@@ -183,10 +183,12 @@ class VariableClient:
 
     # -- driving ----------------------------------------------------------------------
 
-    def update(self, wait: bool = False) -> None:
-        """Counts an env step; every update_period steps starts a background refresh."""
+    def update(self, wait: bool = False, steps: int = 1) -> None:
+        """Counts `steps` env steps; each time the count passes a multiple of update_period, starts a background refresh."""
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps must be an int >= 1, got steps={steps!r}")
         self._raise_pending_error()
-        self.steps += 1
+        self.steps += steps
         if wait:
             self.refresh()
             return
@@ -199,7 +201,7 @@ class VariableClient:
                 if due and idle:
                     self._next_poll = now + _FIRST_POLL_S
             else:
-                due = self.steps % self.update_period == 0
+                due = self.steps // self.update_period != (self.steps - steps) // self.update_period
             if due and idle:
                 self._request_locked()
 
