@@ -6,10 +6,10 @@
 Runs alternate local, ray, local, ray, ... so the machine's drift hits both. `--launcher ray`
 runs as a user's first try would: no --ray_address, so each run starts (and stops) its own Ray
 instance on this machine, on loopback. Per run: the steady env-step rate (learner.csv, between
-its first and last rows: start-up excluded), and the whole run's rate (summary.json:
-env steps / wall seconds, Ray's start-up included). The headline `ray_over_local_env_steps_ratio`
-is the median steady rate under Ray over the median local one (1 = Ray costs nothing);
-`ray_over_local_whole_run_ratio` counts the start-up too.
+its first and last rows: start-up excluded), and the whole run's rate (summary.json's env steps
+over the command's own seconds, from its start to its exit: Ray's start and stop included).
+The headline `ray_over_local_env_steps_ratio` is the median steady rate under Ray over the
+median local one (1 = Ray costs nothing); `ray_over_local_whole_run_ratio` counts the start-up too.
 """
 
 from __future__ import annotations
@@ -54,13 +54,15 @@ def _run(launcher: str, trial: int, env_steps: int, max_seconds: float, out: Pat
     with open(out / f"{run_dir.name}.log", "w") as log:
         code = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                               timeout=max_seconds + 300).returncode
+    process_seconds = time.monotonic() - started
     if code != 0 or not (run_dir / "summary.json").exists():
         raise SystemExit(f"launchers: run {run_dir.name} failed (exit code {code}); see {out / (run_dir.name + '.log')}")
     summary = json.loads((run_dir / "summary.json").read_text())
     return {"launcher": launcher, "trial": trial, "run_dir": str(run_dir), "env_steps": summary["env_steps"],
-            "wall_seconds": summary["wall_seconds"], "process_seconds": time.monotonic() - started,
+            "wall_seconds": summary["wall_seconds"], "process_seconds": process_seconds,
             "steady_env_steps_per_s": steady_rate(run_dir),
-            "whole_run_env_steps_per_s": summary["env_steps_per_second"], "loadavg_1": os.getloadavg()[0]}
+            # From the command's start to its exit: Python, Ray's start and stop, the workers' start-up.
+            "whole_run_env_steps_per_s": summary["env_steps"] / process_seconds, "loadavg_1": os.getloadavg()[0]}
 
 
 def _median(rows: List[Dict[str, Any]], launcher: str, key: str) -> float:
@@ -104,10 +106,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         for launcher in LAUNCHERS:  # interleaved: local, ray, local, ray, ...
             rows.append(_run(launcher, trial, env_steps, args.max_seconds, out))
             print(f"[launchers] {launcher} trial {trial}: done", flush=True)
-    print(f"{'launcher':>8} {'trial':>5} {'steady env/s':>12} {'whole-run env/s':>15} {'wall s':>7} {'load1':>6}")
+    print(f"{'launcher':>8} {'trial':>5} {'steady env/s':>12} {'whole-run env/s':>15} {'process s':>9} {'load1':>6}")
     for r in rows:
         print(f"{r['launcher']:>8} {r['trial']:>5} {r['steady_env_steps_per_s']:>12.0f} "
-              f"{r['whole_run_env_steps_per_s']:>15.0f} {r['wall_seconds']:>7.1f} {r['loadavg_1']:>6.2f}")
+              f"{r['whole_run_env_steps_per_s']:>15.0f} {r['process_seconds']:>9.1f} {r['loadavg_1']:>6.2f}")
     head = headline(rows)
     print("headline: " + ", ".join(f"{k}={v:.3g}" for k, v in head.items()))
     if args.json:

@@ -238,6 +238,11 @@ def test_learner_and_actors_on_separate_nodes(cluster, tmp_path):
     assert len({node_of["learner"], node_of["actor_0"], node_of["actor_1"]}) == 3, placed
     assert node_of["evaluator"] == node_of["learner"]
     assert status(results)["phase"] == "done"
+    # Each of the three nodes measured its own energy: a row each, summed in the summary.
+    energy_rows = rows(results / "emissions.csv")
+    assert summary["energy_nodes"] == 3 and len(energy_rows) == 3
+    assert len({r["project_name"] for r in energy_rows}) == 3
+    assert summary["energy_kwh"] == pytest.approx(sum(r["energy_consumed"] for r in energy_rows), rel=1e-6)
 
 
 @pytest.mark.timeout(240)
