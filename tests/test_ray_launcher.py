@@ -11,6 +11,7 @@ nodes send.
 import json
 import os
 import secrets
+import signal
 import socket
 import subprocess
 import sys
@@ -171,18 +172,27 @@ def _assert_complete(results: Path, num_actors: int) -> dict:
 
 
 @pytest.mark.timeout(150)
-def test_dqn_on_a_local_ray_instance_leaves_no_process(tmp_path):
+def test_dqn_on_a_local_ray_instance_stops_on_sigterm_and_leaves_no_process(tmp_path):
     results = tmp_path / "run"
     proc = _launch(results, "--task", "CartPole-v1", "--q_layers", "16,16", "--batch_size", "16", "--min_replay_size",
-                   "100", "--num_actors", "1", "--max_env_steps", "1500", "--eval_period", "100",
+                   "100", "--num_actors", "1", "--max_seconds", "120", "--eval_period", "100",
                    "--checkpoint_period", "200", script="experiments/run_dqn.py")
     seen = Descendants([proc.pid])
     try:
-        _finish(proc, 130)
+        deadline = time.monotonic() + 100
+        # Stopped once the learner has logged and checkpointed, and episodes reached the driver.
+        while status(results).get("learner_steps", 0) < 250 or not rows(results / "actors" / "actor_0.csv"):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run made no progress"
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        out = _finish(proc, 100)
     finally:
         processes = seen.close()
-    summary = _assert_complete(results, 1)
-    assert summary["env_steps"] >= 1500
+        if proc.poll() is None:
+            proc.kill()
+    assert "stop requested" in out
+    summary = _assert_complete(results, 1)  # stopped in order: final checkpoint, final evaluation, every file
+    assert summary["launcher"] == "ray" and summary["env_steps"] > 0
     assert any("raylet" in cmd for cmd in processes.values()), "no local Ray instance was started"
     assert seen.workers(), "no worker process ran under Ray"
     deadline = time.monotonic() + 20
