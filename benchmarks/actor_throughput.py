@@ -1,17 +1,22 @@
-"""Env steps per second of one real actor process, fp32 policy against the int8 kernel backend.
+"""Env steps per second of one real actor process, fp32 policy against the int8 kernel backend, at K environments.
 
 The actor is the one every run uses (`python -m actorq_jax.launch.actor`): walker_walk,
 a D4PG 2048x3 policy, n-step adder into Reverb, variables refreshed every 100 env
 steps in the background while this process publishes a new version every
 --publish_every seconds (as a learner would; the default 0.05 s outpaces both
-actors, so every refresh pulls, deserializes and loads a new version). Each trial starts one actor process
-per backend, in alternating order, held to one thread; the actor runs --episodes
-episodes of 1000 steps and the first is dropped (jit compilation, first pull).
-steps/s = episode steps / episode wall time, median over the kept episodes of all
-trials; the headline is the median of the per-trial int8/fp32 ratios. A third
-actor runs 4-bit weights (int4: the int8 backend's W4A8 packing) for comparison.
+actors, so every refresh pulls, deserializes and loads a new version). The actor
+steps K environments (--envs_per_actor, default K = 1, 8 and 32) in lockstep: one
+policy call on a [K, obs] batch, K env steps and K adder writes per actor step.
+Each trial starts one actor process per (K, backend), in alternating order, held to
+one thread; the actor runs --episodes rounds of K episodes of 1000 steps (walker's
+episodes all end at step 1000, so the K environments end together) and the first
+round is dropped (jit compilation, first pull).
+steps/s = env steps of a round / its wall time, median over the kept rounds of all
+trials; speedups are medians of the per-trial ratios. A third actor runs 4-bit
+weights (int4: the int8 backend's W4A8 packing) for comparison. adder_us_per_transition
+is the adder phase (the replay write, rate-limit waits excluded) per env step.
 
-    python benchmarks/actor_throughput.py [--quick] [--json PATH]
+    python benchmarks/actor_throughput.py [--quick] [--envs_per_actor 1,8,32] [--json PATH]
 """
 
 import argparse
@@ -33,7 +38,7 @@ LAYERS = (2048, 2048, 2048)
 PHASES = ACTOR_PHASES
 
 
-def _serve(backend: str, bits: int, publish_every: float, stop: threading.Event, results_dir: str):
+def _serve(backend: str, bits: int, envs: int, publish_every: float, stop: threading.Event, results_dir: str):
     """Starts a Reverb server with replay, variables and config tables; publishes until `stop`."""
     import jax
 
@@ -47,7 +52,7 @@ def _serve(backend: str, bits: int, publish_every: float, stop: threading.Event,
 
     agent = D4PGConfig(policy_layers=LAYERS)
     run = RunConfig(agent="d4pg", task=TASK, results_dir=results_dir, actor_bits=bits, actor_backend=backend,
-                    update_period=100, num_actors=1)
+                    update_period=100, num_actors=1, envs_per_actor=envs)
     spec = environment_spec(make_environment(TASK, seed=0))
     builder = D4PGBuilder(agent, spec)
     # No learner samples here, so the replay table must not rate-limit the actor.
@@ -70,16 +75,17 @@ def _serve(backend: str, bits: int, publish_every: float, stop: threading.Event,
     return server, thread
 
 
-def _trial(backend: str, bits: int, episodes: int, publish_every: float) -> tuple:
-    """Runs one actor process; returns steps/s of each episode after the first."""
+def _trial(backend: str, bits: int, envs: int, rounds: int, publish_every: float) -> tuple:
+    """Runs one actor process with `envs` environments; env steps/s of each round after the first, and the
+    median milliseconds per env step of each phase."""
     stop = threading.Event()
     with tempfile.TemporaryDirectory() as tmp:
-        server, thread = _serve(backend, bits, publish_every, stop, tmp)
+        server, thread = _serve(backend, bits, envs, publish_every, stop, tmp)
         try:
             env = {**os.environ, "MUJOCO_GL": "disable", "TF_CPP_MIN_LOG_LEVEL": "2"}
             proc = subprocess.run(
                 [sys.executable, "-m", "actorq_jax.launch.actor", "--server", f"localhost:{server.port}",
-                 "--actor_id", "0", "--log_dir", tmp, "--threads", "1", "--max_episodes", str(episodes)],
+                 "--actor_id", "0", "--log_dir", tmp, "--threads", "1", "--max_episodes", str(rounds * envs)],
                 cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
             if proc.returncode != 0:
                 raise RuntimeError(f"{backend} actor failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
@@ -91,52 +97,98 @@ def _trial(backend: str, bits: int, episodes: int, publish_every: float) -> tupl
             stop.set()
             thread.join()
             server.stop()
-    walls = [0.0] + [float(r["wall_seconds"]) for r in rows]
-    rates = [int(r["episode_length"]) / (walls[i + 1] - walls[i]) for i, r in enumerate(rows)]
-    # Milliseconds per env step in each phase (refresh phases run in the background thread).
-    phases = {p: statistics.median(1e3 * float(r[f"{p}_s"]) / int(r["episode_length"]) for r in rows[1:])
-              for p in PHASES}
-    return rates[1:], phases
+    return _rounds(rows)
+
+
+def _rounds(rows: list) -> tuple:
+    """(env steps/s of each round after the first, median ms per env step of each phase) from an actor's CSV rows.
+
+    A round is the rows sharing an env_steps count (episodes that ended at the same actor step); a row's phase
+    seconds are the actor's time since the previous row, so a round's are the sum of its rows'.
+    """
+    rounds = {}
+    for r in rows:
+        rounds.setdefault(int(r["env_steps"]), []).append(r)
+    ends = sorted(rounds)
+    rates, per_step = [], {p: [] for p in PHASES}
+    for before, end in zip(ends, ends[1:]):
+        steps = end - before
+        wall = max(float(r["wall_seconds"]) for r in rounds[end]) - max(float(r["wall_seconds"]) for r in rounds[before])
+        rates.append(steps / wall)
+        # Milliseconds per env step in each phase (refresh phases run in the background thread).
+        for p in PHASES:
+            per_step[p].append(1e3 * sum(float(r[f"{p}_s"]) for r in rounds[end]) / steps)
+    return rates, {p: statistics.median(v) for p, v in per_step.items()}
+
+
+def _envs_list(text: str) -> tuple:
+    """Parses --envs_per_actor: a comma list of K >= 1."""
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected a comma list of integers >= 1, got {text!r}")
+    return values
+
+
+def _ratio(per_trial: list, num: tuple, den: tuple) -> float:
+    """Median over trials of steps/s of case `num` over case `den` (cases are (K, backend))."""
+    return statistics.median(statistics.median(t[num]) / statistics.median(t[den]) for t in per_trial)
 
 
 def main(argv=None) -> int:
     """Measures and prints the table; writes --json when asked."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one trial of 2 episodes per backend")
+    parser.add_argument("--quick", action="store_true", help="one trial of 2 rounds per case, K = 1 and 8, fp32 and int8")
     parser.add_argument("--trials", type=int, default=3)
-    parser.add_argument("--episodes", type=int, default=3, help="episodes per actor (the first is dropped)")
+    parser.add_argument("--episodes", type=int, default=3, help="rounds of K episodes per actor (the first is dropped)")
+    parser.add_argument("--envs_per_actor", type=_envs_list, default=None,
+                        help="comma list of environments per actor to measure (default 1,8,32; --quick: 1,8)")
     parser.add_argument("--publish_every", type=float, default=0.05, help="seconds between published versions")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    trials, episodes = (1, 2) if args.quick else (args.trials, args.episodes)
-    cases = (("fp32", "fp32", 32), ("int8", "int8", 8), ("int4", "int8", 4))  # (name, backend, bits)
-    rates = {name: [] for name, _, _ in cases}
-    phases = {name: [] for name, _, _ in cases}
-    ratios = {name: [] for name in ("int8", "int4")}
+    trials, rounds = (1, 2) if args.quick else (args.trials, args.episodes)
+    if rounds < 2:
+        parser.error(f"--episodes must be >= 2 (the first round is dropped), got {rounds}")
+    ks = args.envs_per_actor or ((1, 8) if args.quick else (1, 8, 32))
+    backends = (("fp32", "fp32", 32), ("int8", "int8", 8), ("int4", "int8", 4))  # (name, backend, bits)
+    backends = backends[:2] if args.quick else backends  # int4 is int8's code path with another packing
+    cases = [(k, name, backend, bits) for k in ks for name, backend, bits in backends]
+    rates = {(k, name): [] for k, name, _, _ in cases}
+    phases = {(k, name): [] for k, name, _, _ in cases}
+    per_trial = []
     for trial in range(trials):
         order = cases if trial % 2 == 0 else cases[::-1]
-        per_trial = {}
-        for name, backend, bits in order:
-            per_trial[name], trial_phases = _trial(backend, bits, episodes, args.publish_every)
-            rates[name] += per_trial[name]
-            phases[name].append(trial_phases)
-        for name in ratios:
-            ratios[name].append(statistics.median(per_trial[name]) / statistics.median(per_trial["fp32"]))
-    rows = [{"backend": name, "bits": bits, "median_steps_per_s": statistics.median(rates[name]),
-             "episodes_measured": len(rates[name]),
-             "speedup_vs_fp32": statistics.median(ratios[name]) if name in ratios else 1.0,
-             **{f"{p}_ms_per_step": statistics.median(t[p] for t in phases[name]) for p in PHASES}}
-            for name, _, bits in cases]
-    headline = {"steps_per_s_speedup_int8": statistics.median(ratios["int8"])}
+        this = {}
+        for k, name, backend, bits in order:
+            this[(k, name)], trial_phases = _trial(backend, bits, k, rounds, args.publish_every)
+            rates[(k, name)] += this[(k, name)]
+            phases[(k, name)].append(trial_phases)
+        per_trial.append(this)
+    rows = [{"envs_per_actor": k, "backend": name, "bits": bits,
+             "median_steps_per_s": statistics.median(rates[(k, name)]), "rounds_measured": len(rates[(k, name)]),
+             "speedup_vs_fp32": _ratio(per_trial, (k, name), (k, "fp32")),
+             **{f"{p}_ms_per_step": statistics.median(t[p] for t in phases[(k, name)]) for p in PHASES}}
+            for k, name, _, bits in cases]
+    headline = {}
+    if 1 in ks:
+        headline["steps_per_s_speedup_int8"] = _ratio(per_trial, (1, "int8"), (1, "fp32"))
+    if 8 in ks:
+        headline["steps_per_s_speedup_int8_k8"] = _ratio(per_trial, (8, "int8"), (8, "fp32"))
+        headline["adder_us_per_transition_k8"] = 1e3 * statistics.median(
+            r["adder_ms_per_step"] for r in rows if r["envs_per_actor"] == 8)
+        if 1 in ks:
+            headline["steps_per_s_k8_over_k1_int8"] = _ratio(per_trial, (8, "int8"), (1, "int8"))
     print(f"actor_throughput: one actor process, {TASK}, policy {'x'.join(map(str, LAYERS))}, "
-          f"refresh every 100 steps, {trials} trial(s)")
-    print(f"{'backend':>8} {'bits':>5} {'steps/s':>10} {'episodes':>9}  ms/step: " + " ".join(f"{p:>11}" for p in PHASES))
+          f"refresh every 100 env steps, {trials} trial(s), K = {', '.join(map(str, ks))}")
+    print(f"{'K':>3} {'backend':>8} {'bits':>5} {'steps/s':>10} {'vs fp32':>8} {'rounds':>7}  ms/env step: "
+          + " ".join(f"{p:>11}" for p in PHASES))
     for row in rows:
-        print(f"{row['backend']:>8} {row['bits']:>5} {row['median_steps_per_s']:>10.1f} {row['episodes_measured']:>9}  "
-              + "         " + " ".join(f"{row[p + '_ms_per_step']:>11.3f}" for p in PHASES))
-    print(f"headline: steps_per_s_speedup_int8={headline['steps_per_s_speedup_int8']:.2f} "
-          f"(per-trial ratios {[round(r, 2) for r in ratios['int8']]}); "
-          f"int4/fp32 {statistics.median(ratios['int4']):.2f} (per trial {[round(r, 2) for r in ratios['int4']]})")
+        print(f"{row['envs_per_actor']:>3} {row['backend']:>8} {row['bits']:>5} {row['median_steps_per_s']:>10.1f} "
+              f"{row['speedup_vs_fp32']:>8.2f} {row['rounds_measured']:>7}  " + "             "
+              + " ".join(f"{row[p + '_ms_per_step']:>11.3f}" for p in PHASES))
+    print("headline: " + ", ".join(f"{key}={value:.2f}" for key, value in headline.items()))
     if args.json:
         from actorq_jax.telemetry.machine import machine_info
 
