@@ -1,5 +1,8 @@
 """The actor process: runs a quantized policy in an environment and writes n-step transitions to replay.
 
+An actor steps --envs_per_actor environments in lockstep (one batched policy call
+per step, one n-step adder stream per environment; see launch/vector_env.py).
+
 Remote actors join a running learner from another machine:
 
     python -m actorq_jax.launch.actor --server HOST:PORT --actor_id 7 --log_dir ./remote_logs
@@ -198,6 +201,7 @@ class Actor:
                 adder.close(flush=flush)
             except (WriteTimeout, RuntimeError) as error:
                 log.info("dropped unconfirmed items of %s: %s", self.address, error)
+                flush = False  # the server did not take one adder's items: do not wait K times for it
 
     # -- acting -------------------------------------------------------------------
 
@@ -242,8 +246,7 @@ class Actor:
         if not written:
             self.needs_start = True
             return []
-        for _ in range(len(self.envs)):  # update_period counts env steps
-            self.variables.update()
+        self.variables.update(steps=len(self.envs))  # update_period counts env steps
         self.steps += 1
         self.total_steps += len(self.envs)
         rows = []
