@@ -160,8 +160,9 @@ def _finish(proc: subprocess.Popen, timeout_s: float) -> str:
 def _assert_complete(results: Path, num_actors: int) -> dict:
     for name in RESULT_FILES + tuple(f"actors/actor_{i}.csv" for i in range(num_actors)):
         assert (results / name).exists(), name
-    for tree in ("checkpoints", "replay_checkpoints"):
-        assert any((results / tree).iterdir()), tree
+    for tree, finished in (("checkpoints", "counters/metadata"), ("replay_checkpoints", "DONE")):
+        steps = list((results / tree).iterdir())
+        assert steps and all((step / finished).exists() for step in steps), (tree, steps)
     summary = json.loads((results / "summary.json").read_text())
     assert summary["exit_code"] == 0 and summary["counters_from"] == "final status report"
     assert summary["energy_kwh"] > 0

@@ -248,6 +248,16 @@ def _scratch(prefix: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=prefix, dir=root))
 
 
+def _without_repeated_header(data: bytes, dest: Path) -> bytes:
+    """`data` less its first line when that line is `dest`'s header already."""
+    try:
+        with open(dest, "rb") as f:
+            header = f.readline()
+    except FileNotFoundError:
+        return data
+    return data[len(header):] if header and data.startswith(header) else data
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -302,11 +312,11 @@ class WorkerHost:
             self.pushed.add(rel)
 
     def state(self, known: Dict[str, List[int]], chunk_bytes: int = SYNC_CHUNK_BYTES) -> Dict[str, Any]:
-        """The process's pid and exit code, then what changed in its files since `known` ({rel: [offset, mtime_ns]})."""
+        """The process's pid and exit code, then what changed in its files since `known` ({rel: [offset, mtime, inode]})."""
         # The exit code first: a process reported finished has nothing left to write.
         code = None if self.process is None else self.process.poll()
         pid = None if self.process is None else self.process.pid
-        changes: Dict[str, Tuple[str, int, int, bytes]] = {}
+        changes: Dict[str, Tuple[str, int, int, bytes, int]] = {}
         present: List[str] = []
         budget = chunk_bytes
         for path in self._files():
@@ -318,9 +328,10 @@ class WorkerHost:
                 stat = path.stat()
             except FileNotFoundError:
                 continue
-            offset, mtime = known.get(rel, [0, 0])
+            # -1: not even an empty file there yet (Reverb's DONE is empty).
+            offset, mtime, inode = known.get(rel, [-1, 0, 0])
             try:
-                change = self._change(path, stat, offset, mtime, budget, rel.endswith(".json"))
+                change = self._change(path, stat, offset, mtime, inode, budget, rel.endswith(".json"))
             except FileNotFoundError:  # pruned while we looked: gone from `present` next pass
                 continue
             if change is not None:
@@ -329,21 +340,23 @@ class WorkerHost:
         return {"pid": pid, "returncode": code, "changes": changes, "present": present, "where": self.where()}
 
     @staticmethod
-    def _change(path: Path, stat: os.stat_result, offset: int, mtime: int, budget: int,
-                whole: bool) -> Optional[Tuple[str, int, int, bytes]]:
-        """(mode, new offset, mtime, bytes) of what the driver lacks of one file; None when it has it all."""
+    def _change(path: Path, stat: os.stat_result, offset: int, mtime: int, inode: int, budget: int,
+                whole: bool) -> Optional[Tuple[str, int, int, bytes, int]]:
+        """(mode, new offset, mtime, bytes, inode) of what the driver lacks of one file; None when it has it all."""
         if whole:
             # Reports are replaced whole (os.replace): send the whole file when it changed.
             if stat.st_mtime_ns == mtime and stat.st_size == offset:
                 return None
-            return "replace", stat.st_size, stat.st_mtime_ns, path.read_bytes()
-        if stat.st_size == offset or budget <= 0:
+            return "replace", stat.st_size, stat.st_mtime_ns, path.read_bytes(), stat.st_ino
+        # A file replaced by another (learner.csv trimmed after a restore) is sent again from its start.
+        replaced = offset >= 0 and inode and stat.st_ino != inode
+        if (stat.st_size == offset and not replaced) or budget <= 0:
             return None
-        mode, start = ("append", offset) if stat.st_size > offset else ("rewrite", 0)
+        mode, start = ("append", max(offset, 0)) if stat.st_size > offset and not replaced else ("rewrite", 0)
         with open(path, "rb") as f:
             f.seek(start)
             data = f.read(min(budget, stat.st_size - start))
-        return mode, start + len(data), stat.st_mtime_ns, data
+        return mode, start + len(data), stat.st_mtime_ns, data, stat.st_ino
 
     def _files(self) -> List[Path]:
         """Files under the scratch directory (directories that vanish while walked, as Orbax's do, are skipped)."""
@@ -652,23 +665,23 @@ class RayPlacement(Placement):
             host.where = state["where"]
             self._placed(host)
         moved = 0
-        for rel, (mode, offset, mtime, data) in state["changes"].items():
+        for rel, (mode, offset, mtime, data, inode) in state["changes"].items():
             dest = self.results_dir / rel
             dest.parent.mkdir(parents=True, exist_ok=True)
             self.origin[rel] = host.name
             first = rel not in host.known
             if mode == "replace":
                 _write_atomic(dest, data)
-            elif mode == "rewrite" and not (first and host.incarnation > 0):
+            elif mode == "rewrite":
                 with open(dest, "wb") as f:
                     f.write(data)
             else:
-                if first and host.incarnation > 0 and rel.endswith(".csv") and dest.exists() and dest.stat().st_size:
-                    # A new host continues the slot's CSV: its header is already there.
-                    data = data.split(b"\n", 1)[1] if b"\n" in data else b""
+                if first and rel.endswith(".csv"):
+                    # A new host (a lost node, a resumed run) continues the results' CSV: one header.
+                    data = _without_repeated_header(data, dest)
                 with open(dest, "ab") as f:
                     f.write(data)
-            host.known[rel] = [offset, mtime]
+            host.known[rel] = [offset, mtime, inode]
             moved += len(data)
         self._forget_pruned(host, set(state["present"]))
         process = host.process
