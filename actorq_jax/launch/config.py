@@ -7,13 +7,13 @@ from typing import Any, List, Optional, Tuple
 
 from actorq_jax.agents.registry import get_agent
 from actorq_jax.config import documented
+from actorq_jax.launch.placement import LAUNCHERS
 from actorq_jax.launch.runtime import parse_cpu_list
 from actorq_jax.quantization.config import GRANULARITIES, INT_BITS, VALID_BITS
 
 BACKENDS = ("auto", "fp32", "fakequant", "int8")
 INT8_MODES = ("w8a8", "w8a32")
 BUDGETS = ("max_env_steps", "max_learner_steps", "max_seconds")
-LAUNCHERS = ("local", "ray")
 
 
 @dataclasses.dataclass(frozen=True)
