@@ -56,3 +56,31 @@ def test_a_pinned_process_runs_only_on_its_cores():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=50)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == f"[{first}]"
+
+
+def test_the_stop_flag_a_signal_handler_sets_takes_no_lock():
+    """threading.Event.set() takes a lock, and a signal landing inside it (a second SIGTERM, or the main thread
+    inside the same Event) waits forever for a lock its own thread holds: a learner hung that way after its
+    launcher was killed (seen in a py-spy dump). The stop flag's setting side must hold no lock at all."""
+    import signal
+    import threading
+
+    from actorq_jax.launch import runtime
+
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        stop = runtime.install_stop_handlers()
+        lock_types = (type(threading.Lock()), type(threading.RLock()), threading.Condition)
+        assert not any(isinstance(value, lock_types) for value in vars(stop).values())
+        assert stop.wait(0.01) is False and not stop.is_set()
+        handler = signal.getsignal(signal.SIGTERM)
+        handler(signal.SIGTERM, None)
+        handler(signal.SIGTERM, None)  # re-entry is harmless
+        assert stop.is_set() and stop.wait(0) is True
+        # Set from another thread, a waiter wakes within its poll interval.
+        later = runtime.StopFlag()
+        threading.Timer(0.1, later.set).start()
+        assert later.wait(30) is True
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

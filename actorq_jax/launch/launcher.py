@@ -23,7 +23,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, TextIO
@@ -80,7 +79,7 @@ class Launcher:
         self.agent_config = agent_config
         self.results_dir = Path(run.results_dir).absolute()
         self.stream = stream
-        self.stop = threading.Event()
+        self.stop = runtime.StopFlag()  # set from signal handlers: must take no lock (see StopFlag)
         self.workers: List[Worker] = []
         self.events: List[str] = []
         # Where workers run (local subprocesses or Ray actors); everything else here is the same for both.

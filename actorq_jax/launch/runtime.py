@@ -3,7 +3,7 @@
 import ctypes
 import os
 import signal
-import threading
+import time
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
@@ -77,16 +77,55 @@ def apply_cpu_affinity(role: str, run: Any) -> Tuple[int, ...]:
     return cores
 
 
-def install_stop_handlers() -> threading.Event:
-    """An event set by SIGTERM or SIGINT, so loops can finish their step and shut down cleanly."""
-    stop = threading.Event()
+class StopFlag:
+    """A stop request with threading.Event's interface that a signal handler can set safely.
+
+    threading.Event.set() takes a lock, and a signal handler runs in the main thread between
+    bytecodes: if the signal lands while that thread is inside the same Event (or a second signal
+    lands inside the first handler's set()), the handler waits for a lock its own thread holds,
+    forever. A learner hung that way after its launcher was killed. Setting a bool takes no lock;
+    waiting polls it.
+    """
+
+    _POLL_S = 0.05
+
+    def __init__(self) -> None:
+        self._flag = False
+
+    def set(self) -> None:
+        """Requests the stop (safe from signal handlers and any thread)."""
+        self._flag = True
+
+    def is_set(self) -> bool:
+        """Whether a stop was requested."""
+        return self._flag
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Blocks until the stop is requested or `timeout` seconds pass; returns whether it was requested."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._flag:
+            remaining = self._POLL_S if deadline is None else deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            time.sleep(min(self._POLL_S, remaining))
+        return self._flag
+
+
+def stop_on_signals(stop: Any = None) -> StopFlag:
+    """A StopFlag (or the given one) set by SIGTERM and SIGINT; returns it."""
+    flag = stop if stop is not None else StopFlag()
 
     def handler(signum: int, frame: Any) -> None:
-        stop.set()
+        flag.set()
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
-    return stop
+    return flag
+
+
+def install_stop_handlers() -> StopFlag:
+    """A stop flag set by SIGTERM or SIGINT, so loops can finish their step and shut down cleanly."""
+    return stop_on_signals()
 
 
 def die_with_parent() -> None:
