@@ -9,7 +9,7 @@ import threading
 from pathlib import Path
 from typing import Optional
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 # Environment variables read by this package.
 ENV_LIBRARY = "ACTORQ_KERNEL_LIBRARY"  # path of the library to load instead of the built one
@@ -96,7 +96,7 @@ def _load() -> _State:
 
     if SOURCE.exists() and path.parent == SOURCE.parent and SOURCE.stat().st_mtime > path.stat().st_mtime:
         # Still usable (the FFI checks signatures at run time), but likely out of date.
-        logger.warning("%s is older than %s; rebuild with python -m actorq_jax.kernels.build",
+        log.warning("%s is older than %s; rebuild with python -m actorq_jax.kernels.build",
                        path.name, SOURCE.name)
     state.lib = lib
     state.reason = "loaded"

@@ -20,7 +20,7 @@ from actorq_jax.quantization import QuantConfig, from_wire, quantize, to_wire, w
 from actorq_jax.quantization.wire import wire_meta
 from actorq_jax.replay.server import parse_address
 
-_LOG = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 # Before the first weights arrive, update() asks the server at most this often.
 _FIRST_POLL_S = 0.1
 
@@ -280,10 +280,10 @@ class VariableClient:
 
     def _note_error(self, error: BaseException) -> None:
         if isinstance(error, PayloadRejected):
-            _LOG.warning("rejected the variables payload on %s table %s (keeping version %s): %s",
+            log.warning("rejected the variables payload on %s table %s (keeping version %s): %s",
                          self.address, self.table, self.version, error.__cause__)
         elif not (isinstance(error, ConnectionError) and self._unreachable):
-            _LOG.warning("variable refresh from %s failed: %s", self.address, error)
+            log.warning("variable refresh from %s failed: %s", self.address, error)
         with self._cond:
             self._error = error
             self.errors += 1
