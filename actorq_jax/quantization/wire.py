@@ -197,6 +197,50 @@ def _le(a: np.ndarray) -> np.ndarray:
     return a.reshape(-1)
 
 
+def _add_quantized(path: Tuple, node: Any, entry: Dict[str, Any], arrays: List[np.ndarray]) -> None:
+    """Appends a QuantizedTensor's packed values, scales (and zero points) to `arrays`; describes them in `entry`."""
+    bits = int(node.bits)
+    if bits not in INT_BITS:
+        raise ValueError(f"{_path_str(path)}: QuantizedTensor bits={bits} not in 2..8")
+    values = np.asarray(node.values)
+    if values.dtype != np.int8:
+        raise ValueError(f"{_path_str(path)}: QuantizedTensor values must be int8, got {values.dtype}")
+    scale = np.asarray(node.scale, dtype=np.float32)
+    want = () if scale.ndim == 0 else values.shape[-1:]
+    if scale.shape != want:
+        raise ValueError(f"{_path_str(path)}: scale shape {scale.shape} does not fit values "
+                         f"{values.shape} (expected () or (N,) over the last axis)")
+    if node.zero_point is not None and np.shape(node.zero_point) != scale.shape:
+        raise ValueError(f"{_path_str(path)}: zero_point shape {np.shape(node.zero_point)} "
+                         f"!= scale shape {scale.shape}")
+    packed = pack_values(values, bits)
+    entry.update(kind="quantized", shape=list(values.shape), dtype="int8", bits=bits,
+                 granularity="per_tensor" if scale.ndim == 0 else "per_channel",
+                 symmetric=node.zero_point is None)
+    refs = [len(arrays), len(arrays) + 1]
+    arrays += [packed, _le(scale)]
+    if node.zero_point is not None:
+        refs.append(len(arrays))
+        arrays.append(_le(np.asarray(node.zero_point, dtype=np.int32)))
+    entry["arrays"] = refs
+
+
+def _add_array(path: Tuple, node: Any, entry: Dict[str, Any], arrays: List[np.ndarray]) -> None:
+    """Appends a float, half or integer leaf to `arrays` as little-endian bytes; describes it in `entry`."""
+    a = np.asarray(node)
+    name = a.dtype.name
+    if name in _HALF_DTYPES:
+        entry.update(kind="half", shape=list(a.shape), dtype=name)
+        data = _le(a.view(np.uint16))
+    elif name in _RAW_DTYPES:
+        entry.update(kind="array", shape=list(a.shape), dtype=name)
+        data = _le(a)
+    else:
+        raise ValueError(f"{_path_str(path)}: dtype {a.dtype} cannot travel on the wire")
+    entry["arrays"] = [len(arrays)]
+    arrays.append(data)
+
+
 def to_wire(qparams: QuantizedParams, version: int = 0,
             meta: Optional[Dict[str, float]] = None) -> List[np.ndarray]:
     """Flat list of numpy arrays (a JSON header, then data) that Reverb can carry.
@@ -221,43 +265,9 @@ def to_wire(qparams: QuantizedParams, version: int = 0,
             continue
         node = next(host_iter)
         if is_quantized_leaf(node):
-            bits = int(node.bits)
-            if bits not in INT_BITS:
-                raise ValueError(f"{_path_str(path)}: QuantizedTensor bits={bits} not in 2..8")
-            values = np.asarray(node.values)
-            if values.dtype != np.int8:
-                raise ValueError(f"{_path_str(path)}: QuantizedTensor values must be int8, got {values.dtype}")
-            scale = np.asarray(node.scale, dtype=np.float32)
-            want = () if scale.ndim == 0 else values.shape[-1:]
-            if scale.shape != want:
-                raise ValueError(f"{_path_str(path)}: scale shape {scale.shape} does not fit values "
-                                 f"{values.shape} (expected () or (N,) over the last axis)")
-            if node.zero_point is not None and np.shape(node.zero_point) != scale.shape:
-                raise ValueError(f"{_path_str(path)}: zero_point shape {np.shape(node.zero_point)} "
-                                 f"!= scale shape {scale.shape}")
-            packed = pack_values(values, bits)
-            entry.update(kind="quantized", shape=list(values.shape), dtype="int8", bits=bits,
-                         granularity="per_tensor" if scale.ndim == 0 else "per_channel",
-                         symmetric=node.zero_point is None)
-            refs = [len(arrays), len(arrays) + 1]
-            arrays += [packed, _le(scale)]
-            if node.zero_point is not None:
-                refs.append(len(arrays))
-                arrays.append(_le(np.asarray(node.zero_point, dtype=np.int32)))
-            entry["arrays"] = refs
+            _add_quantized(path, node, entry, arrays)
         else:
-            a = np.asarray(node)
-            name = a.dtype.name
-            if name in _HALF_DTYPES:
-                entry.update(kind="half", shape=list(a.shape), dtype=name)
-                data = _le(a.view(np.uint16))
-            elif name in _RAW_DTYPES:
-                entry.update(kind="array", shape=list(a.shape), dtype=name)
-                data = _le(a)
-            else:
-                raise ValueError(f"{_path_str(path)}: dtype {a.dtype} cannot travel on the wire")
-            entry["arrays"] = [len(arrays)]
-            arrays.append(data)
+            _add_array(path, node, entry, arrays)
         entries.append(entry)
     header = {"format": FORMAT, "format_version": FORMAT_VERSION, "version": int(version),
               "num_arrays": len(arrays), "packing": "lsb-bitstream", "leaves": entries}
