@@ -27,6 +27,7 @@ import json
 import multiprocessing as mp
 import statistics
 import time
+from typing import Any
 
 import numpy as np
 
@@ -99,6 +100,61 @@ def _median_ms(values) -> float:
     return 1e3 * statistics.median(values)
 
 
+def _publish_and_refresh(publishers: dict, conn: Any, params: Any, trials: int) -> dict:
+    """Publishes every bit-width in turn and has the actor process refresh it; per-stage seconds per trial."""
+    samples = {bits: [] for bits in BITS}
+    version = 0
+    for trial in range(trials + 1):  # trial 0 warms up (jit, connections)
+        order = BITS[trial % len(BITS):] + BITS[:trial % len(BITS)]
+        for bits in order:
+            version += 1
+            stats = publishers[bits].publish(params, version)
+            conn.send(("refresh", version))
+            if not conn.poll(120):
+                raise TimeoutError(f"actor process did not refresh version {version} in 120 s")
+            got_version, nbytes, pull_s, deserialize_s, load_s = conn.recv()
+            if got_version != version:
+                raise RuntimeError(f"actor refreshed version {got_version}, expected {version}")
+            if trial:
+                samples[bits].append(dict(
+                    publish=stats.quantize_s + stats.serialize_s + stats.insert_s,
+                    quantize=stats.quantize_s, serialize=stats.serialize_s,
+                    insert=stats.insert_s, pull=pull_s, deserialize=deserialize_s,
+                    load=load_s, refresh=pull_s + deserialize_s + load_s, nbytes=nbytes))
+    return samples
+
+
+def _learner_rate(dataset: Any, seconds: float) -> tuple:
+    """(batches, elapsed seconds) the learner's dataset serves in about `seconds`, after a warm-up."""
+    for _ in range(5):
+        next(dataset)
+    start, batches = time.perf_counter(), 0
+    while time.perf_counter() - start < seconds:
+        next(dataset)
+        batches += 1
+    return batches, time.perf_counter() - start
+
+
+def _rows(samples: dict) -> list:
+    """One row per bit-width: bytes, median ms per stage, refresh speedup over 32 bits."""
+    base = samples[32]
+    rows = []
+    for bits in BITS:
+        s = samples[bits]
+        ratios = [b["refresh"] / q["refresh"] for b, q in zip(base, s)]
+        rows.append({
+            "bits": bits,
+            "payload_bytes": s[0]["nbytes"],
+            "bytes_vs_32": s[0]["nbytes"] / base[0]["nbytes"],
+            **{f"{stage}_ms": _median_ms([x[stage] for x in s])
+               for stage in ("publish", "quantize", "serialize", "insert", "pull", "deserialize",
+                             "load", "refresh")},
+            "refresh_speedup": statistics.median(ratios),
+            "trials": len(s),
+        })
+    return rows
+
+
 def run(quick: bool) -> dict:
     """Measures everything; returns the JSON report."""
     from actorq_jax.quantization import QuantConfig
@@ -128,25 +184,7 @@ def run(quick: bool) -> dict:
         actor = ctx.Process(target=_actor_process, args=(server.address, child_conn, 0), daemon=True)
         actor.start()
         try:
-            samples = {bits: [] for bits in BITS}
-            version = 0
-            for trial in range(trials + 1):  # trial 0 warms up (jit, connections)
-                order = BITS[trial % len(BITS):] + BITS[:trial % len(BITS)]
-                for bits in order:
-                    version += 1
-                    stats = publishers[bits].publish(params, version)
-                    conn.send(("refresh", version))
-                    if not conn.poll(120):
-                        raise TimeoutError(f"actor process did not refresh version {version} in 120 s")
-                    got_version, nbytes, pull_s, deserialize_s, load_s = conn.recv()
-                    if got_version != version:
-                        raise RuntimeError(f"actor refreshed version {got_version}, expected {version}")
-                    if trial:
-                        samples[bits].append(dict(
-                            publish=stats.quantize_s + stats.serialize_s + stats.insert_s,
-                            quantize=stats.quantize_s, serialize=stats.serialize_s,
-                            insert=stats.insert_s, pull=pull_s, deserialize=deserialize_s,
-                            load=load_s, refresh=pull_s + deserialize_s + load_s, nbytes=nbytes))
+            samples = _publish_and_refresh(publishers, conn, params, trials)
             conn.send(("adder", adder_s))
             if not conn.poll(adder_s + 120):
                 raise TimeoutError("actor process did not finish the adder run")
@@ -158,30 +196,9 @@ def run(quick: bool) -> dict:
                 actor.terminate()
                 actor.join()
 
-        dataset = ReplayDataset(server.address, "replay", batch_size=BATCH)
-        for _ in range(5):
-            next(dataset)
-        start, batches = time.perf_counter(), 0
-        while time.perf_counter() - start < learner_s:
-            next(dataset)
-            batches += 1
-        learner_elapsed = time.perf_counter() - start
+        batches, learner_elapsed = _learner_rate(ReplayDataset(server.address, "replay", batch_size=BATCH), learner_s)
 
-    base = samples[32]
-    rows = []
-    for bits in BITS:
-        s = samples[bits]
-        ratios = [b["refresh"] / q["refresh"] for b, q in zip(base, s)]
-        rows.append({
-            "bits": bits,
-            "payload_bytes": s[0]["nbytes"],
-            "bytes_vs_32": s[0]["nbytes"] / base[0]["nbytes"],
-            **{f"{stage}_ms": _median_ms([x[stage] for x in s])
-               for stage in ("publish", "quantize", "serialize", "insert", "pull", "deserialize",
-                             "load", "refresh")},
-            "refresh_speedup": statistics.median(ratios),
-            "trials": len(s),
-        })
+    rows = _rows(samples)
     by_bits = {row["bits"]: row for row in rows}
     return {
         "benchmark": "variables",
