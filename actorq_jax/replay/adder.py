@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Any, Deque, Dict, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, Optional, Tuple
 
 import numpy as np
 import reverb
@@ -205,22 +205,21 @@ class NStepAdder:
             self._create_item(first, t, priority)
 
     def _end_episode(self) -> None:
-        start = time.perf_counter()
         self._flushed_at = self.items_written
-        try:
-            self._writer.end_episode(clear_buffers=True, timeout_ms=self._timeout_ms)
-        except reverb.DeadlineExceededError as error:
-            raise WriteTimeout(f"{self._client.server_address} did not confirm the episode's items "
-                               f"within {self._timeout_ms} ms") from error
-        finally:
-            self.wait_s += time.perf_counter() - start
+        self._wait_for_server(lambda: self._writer.end_episode(clear_buffers=True, timeout_ms=self._timeout_ms),
+                              "the episode's items")
 
     def _flush(self, pending: int) -> None:
+        self._wait_for_server(lambda: self._writer.flush(block_until_num_items=pending, timeout_ms=self._timeout_ms),
+                              "items")
+
+    def _wait_for_server(self, call: Callable[[], None], what: str) -> None:
+        """Runs a writer call that blocks until the server takes our items; its time counts as wait_s."""
         start = time.perf_counter()
         try:
-            self._writer.flush(block_until_num_items=pending, timeout_ms=self._timeout_ms)
+            call()
         except reverb.DeadlineExceededError as error:
-            raise WriteTimeout(f"{self._client.server_address} did not confirm items "
+            raise WriteTimeout(f"{self._client.server_address} did not confirm {what} "
                                f"within {self._timeout_ms} ms") from error
         finally:
             self.wait_s += time.perf_counter() - start
