@@ -443,3 +443,21 @@ def test_ptq_sweep_bad_flags_exit_2(tmp_path):
     assert result.returncode == 2 and "--checkpoint" in result.stderr
     result = _run(["experiments/ptq_sweep.py", "--checkpoint", str(tmp_path), "--bits", "9"], 60)
     assert result.returncode == 2 and "--bits" in result.stderr
+
+
+def test_final_and_best_returns_of_one_run_as_the_launcher_summarises_them():
+    from actorq_jax.analysis.aggregate import final_and_best_returns
+
+    evals = pd.DataFrame({
+        "wall_seconds": [1, 2, 3, 4, 5, 6], "env_steps": [0, 10, 10, 20, 30, 30],
+        "learner_steps": [0, 100, 100, 200, 200, 200], "policy": ["fp32", "fp32", "fp32", "fp32", "fp32", "actor"],
+        "bits": [32, 32, 32, 32, 32, 8], "episode": [0, 0, 1, 0, 0, 0], "return": [1.0, 5.0, 9.0, 3.0, 4.0, 8.0],
+        "final": [0, 0, 0, 0, 1, 1],
+    })
+    # Evaluation at step 100 averages its two episodes (7.0, the best); the final one (4.0) is final.
+    assert final_and_best_returns(evals, "fp32") == (4.0, 7.0)
+    assert final_and_best_returns(evals, "actor") == (8.0, 8.0)
+    periodic_only = evals[evals["final"] == 0]
+    assert final_and_best_returns(periodic_only, "fp32") == (3.0, 7.0)  # the last periodic evaluation
+    final, best = final_and_best_returns(pd.DataFrame(), "fp32")
+    assert final != final and best != best  # NaN: never evaluated

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 import pandas as pd
@@ -38,6 +38,20 @@ def eval_points(evals: pd.DataFrame, policy: str = "fp32") -> pd.DataFrame:
     )
     return points.sort_values(["task", "bits", "seed", "wall_seconds"], ascending=[True, False, True, True],
                               ignore_index=True)[columns]
+
+
+def final_and_best_returns(evals: pd.DataFrame, policy: str = "fp32") -> Tuple[float, float]:
+    """(final, best) mean evaluation return of `policy` in one run's eval.csv; NaN when it was never evaluated.
+
+    Final is the shutdown evaluation (final=1), else the last periodic one; best is the highest of all.
+    """
+    # One run: the metadata columns eval_points groups by are constant here.
+    frame = evals.assign(**{c: 0 for c in META_COLUMNS if c not in evals.columns})
+    points = eval_points(frame, policy)
+    if points.empty:
+        return math.nan, math.nan
+    ordered = points.sort_values(["final", "learner_steps"])
+    return float(ordered["return"].iloc[-1]), float(points["return"].max())
 
 
 def first_reach(x: Sequence[float], returns: Sequence[float], target: float) -> float:

@@ -306,11 +306,16 @@ class Launcher:
         }
 
     def _summarise(self, wall_seconds: float, energy: Dict[str, float], exit_code: int) -> Dict[str, Any]:
+        import pandas as pd
+
+        from actorq_jax.analysis.aggregate import final_and_best_returns
         from actorq_jax.telemetry import ACTOR_PHASES
 
         counters = self._counters(exit_code)
         env_steps = counters["env_steps"]
-        evals = _read_rows(self.results_dir / "eval.csv")
+        eval_path = self.results_dir / "eval.csv"
+        # The same aggregation the analysis tools use (a run that never evaluated reports NaN).
+        evals = pd.read_csv(eval_path) if eval_path.exists() and eval_path.stat().st_size else pd.DataFrame()
         summary: Dict[str, Any] = {
             "agent": self.run.agent,
             "task": self.run.task,
@@ -329,7 +334,7 @@ class Launcher:
             "events": self.events,
         }
         for policy, suffix in (("fp32", ""), ("actor", "_actor_policy")):
-            final, best = _eval_returns(evals, policy)
+            final, best = final_and_best_returns(evals, policy)
             summary[f"final_eval_return{suffix}"] = final
             summary[f"best_eval_return{suffix}"] = best
         totals = {phase: 0.0 for phase in ACTOR_PHASES}
@@ -358,18 +363,6 @@ def _read_rows(path: Path) -> List[Dict[str, Any]]:
     except FileNotFoundError:
         return []
 
-
-def _eval_returns(rows: List[Dict[str, str]], policy: str) -> tuple:
-    """(final, best) mean evaluation return of one policy; NaN when it was never evaluated."""
-    by_version: Dict[tuple, List[float]] = {}
-    for row in rows:
-        if row.get("policy") == policy and row.get("return") not in (None, ""):
-            by_version.setdefault((int(row["final"] or 0), int(row["learner_steps"])), []).append(float(row["return"]))
-    if not by_version:
-        return math.nan, math.nan
-    means = {k: sum(v) / len(v) for k, v in by_version.items()}
-    final = means[max(means)]  # a final=1 row sorts after every periodic one
-    return final, max(means.values())
 
 
 def launch(run: RunConfig, agent_config: Any, stream: TextIO = sys.stderr) -> Dict[str, Any]:
