@@ -29,7 +29,10 @@ def measure_run(run_dir: Path, threshold: float, budget_s: float) -> Dict[str, A
     periodic = [r for r in evals if not r["final"]]
     reached = first_reach(periodic, threshold)
     wall = float(summary["wall_seconds"])
-    time_to_target = float(reached["wall_seconds"]) if reached else budget_s
+    # A run that misses counts its whole budget, or as long as it was still evaluated past the budget
+    # (the learner runs on until the launcher stops it), so a miss never looks faster than a late hit.
+    last_eval = max((float(r["wall_seconds"]) for r in periodic), default=0.0)
+    time_to_target = float(reached["wall_seconds"]) if reached else max(budget_s, last_eval)
     energy = float(summary.get("energy_kwh") or math.nan)
     phases = {p: float(summary.get("actor_time_s", {}).get(p, 0.0)) for p in ACTOR_PHASES}
     return {
