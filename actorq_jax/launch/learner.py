@@ -154,7 +154,7 @@ def _start_server(builder: Any, run: RunConfig, checkpoint_dir: Path, restore: O
 
 
 class LearnerLog:
-    """learner.csv: one row every LOG_EVERY_STEPS steps (losses, rates, the background publisher's cost)."""
+    """learner.csv: one row every LOG_EVERY_STEPS steps (losses, rates, the background publisher's cost), flushed at once."""
 
     def __init__(self, path: Path, start: float, first_step: int):
         self.path = path
@@ -170,7 +170,8 @@ class LearnerLog:
         if self._logger is None:
             fields = ["learner_steps", "wall_seconds", "env_steps", "sgd_steps_per_s", "publish_s", "publish_bytes",
                       "versions_published", "versions_dropped"]
-            self._logger = CsvLogger(self.path, fields + sorted(row))
+            # One row per LOG_EVERY_STEPS steps is rare enough to flush each: a SIGKILL loses none.
+            self._logger = CsvLogger(self.path, fields + sorted(row), flush_every_s=0)
         last_time, last_steps = self._last
         row.update(
             learner_steps=steps,
@@ -248,10 +249,12 @@ def _after_step(learner: Learner, csv_log: LearnerLog, metrics: Dict[str, Any]) 
     run, steps = learner.run, learner.steps
     if learner.publish_due() or steps % run.eval_period == 0:
         learner.publish(evaluation=steps % run.eval_period == 0)
-    if steps % run.checkpoint_period == 0:
-        learner.checkpoint()
+    # The row before the checkpoint: a checkpoint at step N then implies row N is on disk, so a learner
+    # killed right after it (and restored to it) never loses the rows its checkpoint accounts for.
     if steps % LOG_EVERY_STEPS == 0:
         csv_log.write(steps, learner.env_steps(), metrics, learner.publisher.totals())
+    if steps % run.checkpoint_period == 0:
+        learner.checkpoint()
 
 
 class StatusReport:
