@@ -104,6 +104,11 @@ def test_remote_actor_contributes_transitions(tmp_path):
     remote = None
     try:
         address = _started(results, proc)["local_address"]
+        # The id of a launcher actor is refused, naming the flag, before the actor starts.
+        taken = start_remote_actor(address, tmp_path / "taken", "--actor_id", "0")
+        taken_out, _ = taken.communicate(timeout=100)
+        assert taken.returncode == 2 and "--actor_id 0 is one of the run's 1 launcher actors" in taken_out, taken_out[-3000:]
+        assert not (tmp_path / "taken").exists()
         remote = start_remote_actor(address, remote_dir, "--actor_id", "7", "--max_episodes", "1")
         remote_out, _ = remote.communicate(timeout=200)
         assert remote.returncode == 0, remote_out[-3000:]
@@ -114,6 +119,8 @@ def test_remote_actor_contributes_transitions(tmp_path):
     assert proc.returncode == 0, out[-3000:]
     remote_rows = _rows(remote_dir / "actor_7.csv")
     assert len(remote_rows) == 1 and remote_rows[0]["env_steps"] == 1000  # one full cartpole episode
+    # Its rows travelled through the learner's server into the run's results directory.
+    assert _rows(results / "actors" / "actor_7.csv") == remote_rows
     summary = json.loads((results / "summary.json").read_text())
     local_logged = sum(r["episode_length"] for r in _rows(results / "actors" / "actor_0.csv"))
     assert summary["env_steps"] >= local_logged + 1000

@@ -8,7 +8,9 @@ Remote actors join a running learner from another machine:
     python -m actorq_jax.launch.actor --server HOST:PORT --actor_id 7 --log_dir ./remote_logs
 
 The configuration (task, agent, bits...) is read from the learner's server, so a
-remote actor always runs the same experiment as the local ones.
+remote actor always runs the same experiment as the local ones. Its episode rows go
+to its --log_dir and, through the learner's server, to the run's results directory
+(launch/actor_rows.py); its id must not be one of the launcher's actors (0..N-1).
 
 No actor call blocks for long on its learner: writes wait at most WRITE_TIMEOUT_S
 before the actor asks whether the server still answers (a busy learner's rate
@@ -29,9 +31,12 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Deque, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Optional
 
 from actorq_jax.launch import runtime, vector_env
+
+if TYPE_CHECKING:  # numpy and Reverb load after the thread budget is set (runtime.apply_thread_env)
+    from actorq_jax.launch.actor_rows import RowForwarder
 
 log = logging.getLogger(__name__)
 
@@ -301,13 +306,16 @@ def run_actor(
     restart: int = 0,
     max_episodes: Optional[int] = None,
     server_timeout_s: Optional[float] = None,
+    forwarder: Optional["RowForwarder"] = None,
 ) -> int:
-    """Actor main loop: act, write transitions, log each episode; 0, or EXIT_SERVER_GONE when the learner left."""
+    """Actor main loop: act, write transitions, log each episode (and send it with `forwarder`); 0, or
+    EXIT_SERVER_GONE when the learner left."""
     from actorq_jax.telemetry import ACTOR_FIELDS, CsvLogger
 
     actor = Actor(run, agent_config, actor_id, address, stop, restart, server_timeout_s)
     # One row per episode, flushed at once: a killed actor loses no finished episode.
-    logger = CsvLogger(Path(log_dir) / f"actor_{actor_id}.csv", ACTOR_FIELDS, flush_every_s=0)
+    csv_path = Path(log_dir) / f"actor_{actor_id}.csv"
+    logger = CsvLogger(csv_path, ACTOR_FIELDS, flush_every_s=0)
     gone: Optional[ServerGone] = None
     try:
         if not actor.connect():
@@ -317,6 +325,8 @@ def run_actor(
             row = actor.run_episode()
             if row is not None:
                 logger.write(row)
+                if forwarder is not None:
+                    forwarder.send(row)
                 written += 1
         return 0
     except ServerGone as error:
@@ -326,6 +336,9 @@ def run_actor(
     finally:
         logger.close()
         actor.close(server_gone=gone is not None)
+        if forwarder is not None and (gone is not None or not forwarder.flush()):
+            log.warning("%d episode rows did not reach the learner's results directory; %s has them all",
+                        forwarder.unsent, csv_path)
 
 
 def fetch_config(address: str, timeout_s: float) -> str:
@@ -382,9 +395,16 @@ def main(argv: Optional[list] = None) -> int:
     except (TimeoutError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+    from actorq_jax.launch.actor_rows import RowForwarder, check_remote_actor_id
+
+    taken = check_remote_actor_id(args.actor_id, run.num_actors)
+    if taken:
+        parser.error(taken)
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+    # Rows also go to the learner, which writes them into the run's results directory.
+    forwarder = RowForwarder(args.server, WRITE_TIMEOUT_S)
     return run_actor(run, agent_config, args.actor_id, args.server, stop, Path(args.log_dir),
-                     max_episodes=args.max_episodes, server_timeout_s=args.server_timeout_s)
+                     max_episodes=args.max_episodes, server_timeout_s=args.server_timeout_s, forwarder=forwarder)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import reverb
 
 from actorq_jax.environments import environment_spec, make_environment
 from actorq_jax.launch import runtime
+from actorq_jax.launch.actor_rows import RowDrain
 from actorq_jax.launch.checkpoint import Checkpointer
 from actorq_jax.launch.config import RunConfig
 from actorq_jax.quantization import QuantConfig
@@ -62,6 +63,10 @@ class Learner:
                 self.state, counters = restored
         self.server = _start_server(builder, run, results_dir / "replay_checkpoints", counters.get("replay_checkpoint"))
         self.client = self.server.client()
+        # Remote actors' episode rows, into actors/ as the launcher's actors write theirs. Rows a restored
+        # table holds were drained before the crash (each checkpoint drains first): written already.
+        self.rows = RowDrain(self.client, results_dir / "actors", run.num_actors)
+        self.rows.discard()
         # Prioritized replay inserts new items at the largest priority written back so far.
         self.max_priority = float(counters.get("max_priority", 1.0))
         wire = QuantConfig(bits=run.wire_bits, granularity=run.granularity)
@@ -116,11 +121,19 @@ class Learner:
         """Saves state, counters and the replay tables; keeps the replay checkpoints of kept states only."""
         if self.checkpointer.has(self.steps):
             return
+        self.drain_rows()
         replay = self.server.checkpoint(f"step_{self.steps}")
         counters = {"env_steps": self.env_steps(max_age_s=0.0), "learner_steps": self.steps,
                     "max_priority": self.max_priority, "replay_checkpoint": replay}
         self.checkpointer.save(self.steps, self.state, counters)
         prune_checkpoints(self.server.checkpoint_dir, [c.get("replay_checkpoint") for c in self.checkpointer.kept_counters()])
+
+    def drain_rows(self) -> None:
+        """Writes the remote actors' waiting episode rows to actors/ (a starved server is tried next time)."""
+        try:
+            self.rows.drain()
+        except reverb.DeadlineExceededError:
+            log.warning("actor_rows server_info timed out; remote actors' rows wait for the next drain")
 
     def step(self) -> Optional[Dict[str, Any]]:
         """One SGD step on a fresh batch; None when replay could not serve one in time."""
@@ -239,7 +252,8 @@ def run_learner(
             metrics = learner.step()
             if metrics is not None:
                 _after_step(learner, csv_log, metrics)
-            report.maybe("running")
+            if report.maybe("running"):
+                learner.drain_rows()
     finally:
         _hand_over(learner, csv_log, report, results_dir, launcher_alive)
 
@@ -280,10 +294,12 @@ class StatusReport:
         })
         self.last = time.monotonic()
 
-    def maybe(self, phase: str) -> None:
-        """Reports when the last report is older than REPORT_EVERY_S."""
+    def maybe(self, phase: str) -> bool:
+        """Reports when the last report is older than REPORT_EVERY_S; whether it did."""
         if time.monotonic() - self.last > REPORT_EVERY_S:
             self(phase)
+            return True
+        return False
 
 
 def _hand_over(learner: Learner, csv_log: LearnerLog, report: StatusReport, results_dir: Path,
@@ -292,6 +308,7 @@ def _hand_over(learner: Learner, csv_log: LearnerLog, report: StatusReport, resu
     learner.publish(evaluation=True)
     if not learner.publisher.close(FINAL_PUBLISH_TIMEOUT_S):
         log.warning("the final version was not published within %.0f s", FINAL_PUBLISH_TIMEOUT_S)
+    learner.drain_rows()
     learner.checkpoint()
     learner.checkpointer.close()
     csv_log.close()
@@ -302,5 +319,7 @@ def _hand_over(learner: Learner, csv_log: LearnerLog, report: StatusReport, resu
     deadline = time.monotonic() + EVALUATOR_GRACE_S
     while not release.exists() and launcher_alive() and time.monotonic() < deadline:
         time.sleep(0.2)
+    learner.drain_rows()  # what remote actors sent while the evaluator finished
+    learner.rows.close()
     report("done")  # before the server goes: the report reads its insert count
     learner.server.stop()

@@ -11,7 +11,9 @@ and replay checkpoints) into the real results directory through Ray calls,
 reading each file from the offset it already has, and pushes the reports the
 workers read (the launcher's start time, the learner's status, the learner's
 release) the other way; a new learner host (a resumed run, a lost node) is
-seeded with the mirrored checkpoints. So the launcher's watch, restart and shutdown logic, and the role
+seeded with the mirrored checkpoints. A hand-started remote actor's rows reach the learner over its
+Reverb server and are written by it (launch/actor_rows.py), so they come with the learner's files.
+So the launcher's watch, restart and shutdown logic, and the role
 functions, work on the results directory exactly as under `--launcher local`.
 
 Restarts are the launcher's, as locally: a host whose node disappears reads

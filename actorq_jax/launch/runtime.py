@@ -162,9 +162,11 @@ def make_builder(agent: str, config: Any, spec: Any) -> Any:
 
 
 def learner_tables(builder: Any, replay: Any = None) -> list:
-    """The tables of a learner's Reverb server: replay (the builder's, unless given), variables, eval variables, config."""
+    """The tables of a learner's Reverb server: replay (the builder's, unless given), variables, eval variables,
+    config, and the remote actors' episode rows."""
     import numpy as np
 
+    from actorq_jax.launch.actor_rows import make_actor_rows_table
     from actorq_jax.replay import make_replay_table, make_variables_table
 
     observation = np.zeros((builder.spec.observation_dim,), np.float32)
@@ -173,6 +175,7 @@ def learner_tables(builder: Any, replay: Any = None) -> list:
         make_variables_table(VARIABLES_TABLE),
         make_variables_table(EVAL_VARIABLES_TABLE),
         make_variables_table(CONFIG_TABLE),
+        make_actor_rows_table(),
     ]
 
 
