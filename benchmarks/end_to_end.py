@@ -116,8 +116,30 @@ def _print_table(rows: List[Dict[str, Any]], threshold: float) -> None:
     print(f"target: first fp32 evaluation >= {threshold:g}; * = not reached, whole budget counted (censored)")
 
 
+def write_figures(rows: List[Dict[str, Any]], threshold: float, out: Path) -> List[Path]:
+    """return_vs_wall_<layout>.png in `out`: fp32 evaluation return against wall time, mean and range over seeds per q."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only
+    import pandas as pd
+
+    from actorq_jax import analysis
+
+    written = []
+    for layout in sorted({r["layout"] for r in rows}):
+        runs = analysis.load_runs([r["run_dir"] for r in rows if r["layout"] == layout])
+        points = analysis.eval_points(analysis.load_evals(runs))
+        if points.empty:
+            continue
+        targets = pd.Series({task: threshold for task in points["task"].unique()})
+        figure = analysis.plot_return_curves(points, "wall_seconds", targets=targets)
+        figure.suptitle(f"end to end, {layout} layout: line = mean over seeds, band = range over seeds", fontsize="small")
+        written.append(analysis.save_figure(figure, out / f"return_vs_wall_{layout}.png"))
+    return written
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    """Runs the grid, prints the table and the headline; writes --json when asked."""
+    """Runs the grid, prints the table and the headline, draws return against wall time; writes --json when asked."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--agent", default="d4pg", choices=sorted(AGENTS))
     parser.add_argument("--quick", action="store_true", help="1 seed of tiny networks and short budgets (a smoke test)")
@@ -157,11 +179,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     for layout in layouts:
         head.update(headline(rows, layout))
     print("headline: " + ", ".join(f"{k}={v:.3g}" for k, v in head.items()))
+    figures = write_figures(rows, threshold, out)
+    for path in figures:
+        print(f"figure: {path}")
     if args.json:
         payload = {"benchmark": "end_to_end", "machine": {**machine_info(), "loadavg_before": before["loadavg_1_5_15"]},
                    "config": {"agent": args.agent, "task": AGENTS[args.agent]["task"], "threshold": threshold,
                               "seeds": seeds, "max_seconds": args.max_seconds, "quick": args.quick},
-                   "rows": rows, "headline": head}
+                   "rows": rows, "headline": head, "figures": [str(p) for p in figures]}
         write_json(args.json, payload)
     return 0
 

@@ -74,3 +74,6 @@ def test_quick_benchmark_runs_real_runs_and_reports_every_headline_key(tmp_path)
             assert math.isfinite(report["headline"][name]), (name, report["headline"][name])
     assert {(r["layout"], r["bits"]) for r in report["rows"]} == {("pinned", 32), ("pinned", 8), ("shared", 32), ("shared", 8)}
     assert report["machine"]["cpu"] and "bound by" in proc.stdout
+    # Return against wall time, one figure per layout.
+    assert sorted(Path(f).name for f in report["figures"]) == ["return_vs_wall_pinned.png", "return_vs_wall_shared.png"]
+    assert all(Path(f).stat().st_size > 10_000 for f in report["figures"])
