@@ -3,6 +3,7 @@
     python benchmarks/end_to_end.py --json results/end_to_end.json           # full: 3 seeds, two layouts
     python benchmarks/end_to_end.py --quick --json /tmp/e2e.json             # CI smoke: 1 short seed
     python benchmarks/end_to_end.py --agent dqn                              # DQN on CartPole-v1
+    python benchmarks/end_to_end.py -- --policy_layers 1024,1024,1024        # run flags for every run (after --)
 
 Each run is a real launcher run (learner + Reverb, 2 actors, evaluator) in the paper's
 replay regime (`--rate_limiter min_size --max_times_sampled N`: actors run free). Runs
@@ -67,7 +68,8 @@ def _run(agent: str, layout: str, bits: int, seed: int, args: argparse.Namespace
            "--actor_bits", str(bits), "--seed", str(seed), "--num_actors", "2", "--rate_limiter", "min_size",
            "--max_times_sampled", str(args.max_times_sampled), "--max_seconds", str(args.max_seconds),
            "--eval_period", str(args.eval_period), "--results_dir", str(run_dir),
-           *(QUICK_LAYERS[agent] if args.quick else spec["layers"]), *_layout_flags(layout)]
+           *(QUICK_LAYERS[agent] if args.quick else spec["layers"]), *_layout_flags(layout),
+           *args.run_flags]  # the same for both precisions: a setting, never a per-precision tuning
     env = {**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "disable"), "TF_CPP_MIN_LOG_LEVEL": "2"}
     with open(out / f"{run_dir.name}.log", "w") as log:
         code = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -151,7 +153,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma list from {LAYOUTS}")
     parser.add_argument("--results_dir", default=None, help="where the runs go (default: results/end_to_end_<time>)")
     parser.add_argument("--json", default=None)
+    parser.add_argument("run_flags", nargs="*", metavar="-- RUN_FLAGS",
+                        help="flags added to every run after the defaults (e.g. -- --policy_layers 1024,1024,1024)")
     args = parser.parse_args(argv)
+    forbidden = sorted({f for f in args.run_flags if f in ("--actor_bits", "--seed", "--results_dir")})
+    if forbidden:
+        parser.error(f"RUN_FLAGS: {', '.join(forbidden)} are the benchmark's to set")
     layouts = [x.strip() for x in args.layouts.split(",")]
     if not layouts or any(x not in LAYOUTS for x in layouts):
         parser.error(f"--layouts: {args.layouts!r}; choose from {LAYOUTS}")
@@ -185,7 +192,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.json:
         payload = {"benchmark": "end_to_end", "machine": {**machine_info(), "loadavg_before": before["loadavg_1_5_15"]},
                    "config": {"agent": args.agent, "task": AGENTS[args.agent]["task"], "threshold": threshold,
-                              "seeds": seeds, "max_seconds": args.max_seconds, "quick": args.quick},
+                              "seeds": seeds, "max_seconds": args.max_seconds, "quick": args.quick,
+                              "max_times_sampled": args.max_times_sampled, "run_flags": args.run_flags},
                    "rows": rows, "headline": head, "figures": [str(p) for p in figures]}
         write_json(args.json, payload)
     return 0
