@@ -97,6 +97,9 @@ def test_killed_learner_comes_back_with_its_replay_and_actors_reconnect(tmp_path
     assert (summary["learner_steps"], summary["env_steps"]) == (proven["learner_steps"], proven["env_steps"])
     assert set(summary["last_status_report"]) == {"learner_steps", "env_steps", "wall_seconds"}
     _assert_counters_never_go_backwards(results)
+    # The remote actor's rows that reached the results directory (through both learners) are its own, each once.
+    forwarded = rows(results / "actors" / "actor_7.csv")
+    assert forwarded and all(r in rows(remote_dir / "actor_7.csv") for r in forwarded)
 
     # A stopped run resumes on its port with the replay of its final checkpoint.
     final = read_counters(results / "checkpoints")

@@ -23,7 +23,7 @@ from typing import Dict, List, Set
 
 import psutil
 import pytest
-from launch_support import ENV, ROOT, TINY, alive, rows, status
+from launch_support import ENV, ROOT, TINY, alive, rows, start_remote_actor, status, stop_all
 
 from actorq_jax.launch.ray_placement import parse_resources, placement_problems, ray_flag_problems
 
@@ -179,21 +179,30 @@ def test_dqn_on_a_local_ray_instance_stops_on_sigterm_and_leaves_no_process(tmp_
                    "100", "--num_actors", "1", "--max_seconds", "120", "--eval_period", "100",
                    "--checkpoint_period", "200", script="experiments/run_dqn.py")
     seen = Descendants([proc.pid])
+    remote = None
     try:
         deadline = time.monotonic() + 100
+        while not status(results).get("local_address"):
+            assert proc.poll() is None and time.monotonic() < deadline, "the learner did not start"
+            time.sleep(0.5)
+        # A hand-started actor, outside Ray: its rows take the learner's road to the driver too.
+        remote = start_remote_actor(status(results)["local_address"], tmp_path / "remote", "--actor_id", "7",
+                                    "--max_episodes", "2")
         # Stopped once the learner has logged and checkpointed, and episodes reached the driver.
-        while status(results).get("learner_steps", 0) < 250 or not rows(results / "actors" / "actor_0.csv"):
+        while (status(results).get("learner_steps", 0) < 250 or not rows(results / "actors" / "actor_0.csv")
+               or remote.poll() is None):
             assert proc.poll() is None and time.monotonic() < deadline, "the run made no progress"
             time.sleep(0.5)
         proc.send_signal(signal.SIGTERM)
         out = _finish(proc, 100)
     finally:
         processes = seen.close()
-        if proc.poll() is None:
-            proc.kill()
+        stop_all(proc, remote)
     assert "stop requested" in out
     summary = _assert_complete(results, 1)  # stopped in order: final checkpoint, final evaluation, every file
     assert summary["launcher"] == "ray" and summary["env_steps"] > 0
+    assert remote.returncode == 0 and len(rows(tmp_path / "remote" / "actor_7.csv")) == 2
+    assert rows(results / "actors" / "actor_7.csv") == rows(tmp_path / "remote" / "actor_7.csv")
     assert any("raylet" in cmd for cmd in processes.values()), "no local Ray instance was started"
     assert seen.workers(), "no worker process ran under Ray"
     deadline = time.monotonic() + 20
