@@ -6,7 +6,8 @@
     python benchmarks/end_to_end.py -- --policy_layers 1024,1024,1024        # run flags for every run (after --)
 
 Each run is a real launcher run (learner + Reverb, 2 actors, evaluator) in the paper's
-replay regime (`--rate_limiter min_size --max_times_sampled N`: actors run free). Runs
+replay regime (`--rate_limiter min_size --max_times_sampled N`: actors run free; `--rate_limiter ratio`
+holds them to `--samples_per_insert` instead). Runs
 alternate q=32, q=8, q=32, q=8, ... within each seed so the machine's drift hits both,
 in two layouts: `shared` (every process on every core) and `pinned` (the learner on
 core 0, actors and evaluator on the rest: the learner's speed cannot depend on the
@@ -65,8 +66,8 @@ def _run(agent: str, layout: str, bits: int, seed: int, args: argparse.Namespace
     spec = AGENTS[agent]
     run_dir = out / f"{agent}_{layout}_q{bits}_s{seed}"
     cmd = [sys.executable, str(ROOT / "experiments" / "run.py"), "--agent", agent, "--task", spec["task"],
-           "--actor_bits", str(bits), "--seed", str(seed), "--num_actors", "2", "--rate_limiter", "min_size",
-           "--max_times_sampled", str(args.max_times_sampled), "--max_seconds", str(args.max_seconds),
+           "--actor_bits", str(bits), "--seed", str(seed), "--num_actors", "2",
+           *_regime_flags(args), "--max_seconds", str(args.max_seconds),
            "--eval_period", str(args.eval_period), "--results_dir", str(run_dir),
            *(QUICK_LAYERS[agent] if args.quick else spec["layers"]), *_layout_flags(layout),
            *args.run_flags]  # the same for both precisions: a setting, never a per-precision tuning
@@ -77,6 +78,12 @@ def _run(agent: str, layout: str, bits: int, seed: int, args: argparse.Namespace
     if code != 0 or not (run_dir / "summary.json").exists():
         raise SystemExit(f"end_to_end: run {run_dir.name} failed (exit code {code}); see {out / (run_dir.name + '.log')}")
     return run_dir
+
+
+def _regime_flags(args: argparse.Namespace) -> List[str]:
+    if args.rate_limiter == "ratio":
+        return ["--rate_limiter", "ratio", "--samples_per_insert", f"{args.samples_per_insert:g}"]
+    return ["--rate_limiter", "min_size", "--max_times_sampled", str(args.max_times_sampled)]
 
 
 def _mean(values: List[float]) -> float:
@@ -148,7 +155,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--max_seconds", type=float, default=None, help="budget per run (default 300; 45 with --quick)")
     parser.add_argument("--eval_period", type=int, default=None, help="learner steps between evaluations")
-    parser.add_argument("--max_times_sampled", type=int, default=8, help="samples per replay item before removal")
+    parser.add_argument("--rate_limiter", default="min_size", choices=("min_size", "ratio"),
+                        help="replay regime of every run: min_size (the paper's, actors free) or ratio")
+    parser.add_argument("--max_times_sampled", type=int, default=8,
+                        help="with min_size: samples per replay item before removal")
+    parser.add_argument("--samples_per_insert", type=float, default=32.0,
+                        help="with ratio: SGD samples per inserted item that Reverb's limiter holds the actors to")
     parser.add_argument("--target_fraction", type=float, default=0.9)
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma list from {LAYOUTS}")
     parser.add_argument("--results_dir", default=None, help="where the runs go (default: results/end_to_end_<time>)")
@@ -166,6 +178,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error(f"--target_fraction must be in (0, 1], got {args.target_fraction}")
     if args.seeds < 1 or args.max_times_sampled < 1:
         parser.error("--seeds and --max_times_sampled must be >= 1")
+    if not args.samples_per_insert > 0:
+        parser.error(f"--samples_per_insert must be > 0, got {args.samples_per_insert}")
     seeds = 1 if args.quick else args.seeds
     args.max_seconds = args.max_seconds or (45.0 if args.quick else 300.0)
     args.eval_period = args.eval_period or (50 if args.quick else 500)
@@ -193,7 +207,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         payload = {"benchmark": "end_to_end", "machine": {**machine_info(), "loadavg_before": before["loadavg_1_5_15"]},
                    "config": {"agent": args.agent, "task": AGENTS[args.agent]["task"], "threshold": threshold,
                               "seeds": seeds, "max_seconds": args.max_seconds, "quick": args.quick,
-                              "max_times_sampled": args.max_times_sampled, "run_flags": args.run_flags},
+                              "regime": _regime_flags(args), "run_flags": args.run_flags},
                    "rows": rows, "headline": head, "figures": [str(p) for p in figures]}
         write_json(args.json, payload)
     return 0
