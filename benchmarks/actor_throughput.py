@@ -36,6 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TASK = "walker_walk"
 LAYERS = (2048, 2048, 2048)
 PHASES = ACTOR_PHASES
+# The measured actor joins as a remote actor of a one-actor run: ids below num_actors are the launcher's.
+ACTOR_ID = 1
 
 
 def _serve(backend: str, bits: int, envs: int, publish_every: float, stop: threading.Event, results_dir: str):
@@ -85,13 +87,13 @@ def _trial(backend: str, bits: int, envs: int, rounds: int, publish_every: float
             env = {**os.environ, "MUJOCO_GL": "disable", "TF_CPP_MIN_LOG_LEVEL": "2"}
             proc = subprocess.run(
                 [sys.executable, "-m", "actorq_jax.launch.actor", "--server", f"localhost:{server.port}",
-                 "--actor_id", "0", "--log_dir", tmp, "--threads", "1", "--max_episodes", str(rounds * envs)],
+                 "--actor_id", str(ACTOR_ID), "--log_dir", tmp, "--threads", "1", "--max_episodes", str(rounds * envs)],
                 cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
             if proc.returncode != 0:
                 raise RuntimeError(f"{backend} actor failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
             import csv
 
-            with open(Path(tmp) / "actor_0.csv", newline="") as f:
+            with open(Path(tmp) / f"actor_{ACTOR_ID}.csv", newline="") as f:
                 rows = list(csv.DictReader(f))
         finally:
             stop.set()
