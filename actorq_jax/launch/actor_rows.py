@@ -135,7 +135,6 @@ class RowDrain:
         self._dir = Path(actors_dir)
         self._num_local = int(num_local_actors)
         self._loggers: Dict[int, Any] = {}
-        self.written = 0
         self.rejected = 0
 
     def discard(self) -> None:
@@ -151,19 +150,17 @@ class RowDrain:
         # `size` rows are there to read: the sampler cannot block.
         written = 0
         for sample in self._client.sample(ACTOR_ROWS_TABLE, num_samples=size, emit_timesteps=False):
-            data = sample.data[0] if isinstance(sample.data, (list, tuple)) else sample.data
             try:
-                row = decode_row(data)
-                if row["actor_id"] < self._num_local:
-                    raise ValueError(f"actor_id {row['actor_id']} belongs to one of the run's "
-                                     f"{self._num_local} launcher actors (ids 0-{self._num_local - 1})")
+                row = decode_row(sample.data[0])
+                taken = check_remote_actor_id(row["actor_id"], self._num_local)
+                if taken:
+                    raise ValueError(taken)
             except ValueError as error:
                 self.rejected += 1
                 log.warning("dropped a remote actor's episode row (%d so far): %s", self.rejected, error)
                 continue
             self._logger(row["actor_id"]).write(row)
             written += 1
-        self.written += written
         return written
 
     def close(self) -> None:
