@@ -5,6 +5,9 @@
     python benchmarks/end_to_end.py --agent dqn                              # DQN on CartPole-v1
     python benchmarks/end_to_end.py -- --policy_layers 1024,1024,1024        # run flags for every run (after --)
 
+A run already finished in --results_dir with the same flags is measured, not run again: rerun
+the same command with a larger --seeds to add seeds, or after an interruption to continue.
+
 Each run is a real launcher run (learner + Reverb, 2 actors, evaluator) in the paper's
 replay regime (`--rate_limiter min_size --max_times_sampled N`: actors run free; `--rate_limiter ratio`
 holds them to `--samples_per_insert` instead). Runs
@@ -21,6 +24,7 @@ q8 / q32 for rates); the pinned layout's keys are plain, the shared layout's end
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import statistics
@@ -71,6 +75,9 @@ def _run(agent: str, layout: str, bits: int, seed: int, args: argparse.Namespace
            "--eval_period", str(args.eval_period), "--results_dir", str(run_dir),
            *(QUICK_LAYERS[agent] if args.quick else spec["layers"]), *_layout_flags(layout),
            *args.run_flags]  # the same for both precisions: a setting, never a per-precision tuning
+    if _finished_with(run_dir, agent, cmd[4:]):
+        print(f"[end_to_end] {run_dir.name}: kept (finished earlier in {out} with the same flags)", flush=True)
+        return run_dir
     env = {**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "disable"), "TF_CPP_MIN_LOG_LEVEL": "2"}
     with open(out / f"{run_dir.name}.log", "w") as log:
         code = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -78,6 +85,27 @@ def _run(agent: str, layout: str, bits: int, seed: int, args: argparse.Namespace
     if code != 0 or not (run_dir / "summary.json").exists():
         raise SystemExit(f"end_to_end: run {run_dir.name} failed (exit code {code}); see {out / (run_dir.name + '.log')}")
     return run_dir
+
+
+def _finished_with(run_dir: Path, agent: str, flags: List[str]) -> bool:
+    """Whether run_dir holds a finished run of exactly these flags (so a grid extended by seeds, or
+    restarted after an interruption, reruns nothing it already has)."""
+    import dataclasses
+
+    from actorq_jax.launch.config import config_from_json
+    from actorq_jax.launch.flags import parse_run
+
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+        kept_run, kept_agent = config_from_json((run_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    # Parsed as a new run would be (the flags name run_dir, which parse_run refuses as taken).
+    flags = list(flags)
+    flags[flags.index("--results_dir") + 1] = str(run_dir.with_name(run_dir.name + ".unused"))
+    run, agent_config = parse_run(agent, flags)
+    same = dataclasses.replace(kept_run, port=0, results_dir="-") == dataclasses.replace(run, port=0, results_dir="-")
+    return summary.get("exit_code") == 0 and same and kept_agent == agent_config
 
 
 def _regime_flags(args: argparse.Namespace) -> List[str]:

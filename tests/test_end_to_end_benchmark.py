@@ -1,5 +1,6 @@
 """benchmarks/end_to_end.py: per-run figures from a results directory, and a --quick smoke run of real runs."""
 
+import dataclasses
 import json
 import math
 import os
@@ -77,3 +78,27 @@ def test_quick_benchmark_runs_real_runs_and_reports_every_headline_key(tmp_path)
     # Return against wall time, one figure per layout.
     assert sorted(Path(f).name for f in report["figures"]) == ["return_vs_wall_pinned.png", "return_vs_wall_shared.png"]
     assert all(Path(f).stat().st_size > 10_000 for f in report["figures"])
+
+
+def test_a_finished_run_with_the_same_flags_is_kept_and_any_other_is_run_again(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from end_to_end import _finished_with
+
+    from actorq_jax.launch.config import save_config
+    from actorq_jax.launch.flags import parse_run
+
+    run_dir = tmp_path / "d4pg_shared_q8_s2"
+    flags = ["--task", "cartpole_balance", "--actor_bits", "8", "--seed", "2", "--num_actors", "2",
+             "--max_seconds", "300", "--results_dir", str(run_dir), "--policy_layers", "256,256,256"]
+    assert not _finished_with(run_dir, "d4pg", flags)  # nothing there yet
+    run_dir.mkdir()
+    run, agent_config = parse_run("d4pg", flags)
+    save_config(run_dir / "config.json", dataclasses.replace(run, port=43210), agent_config)
+    assert not _finished_with(run_dir, "d4pg", flags)  # no summary: it did not finish
+    write_json(run_dir / "summary.json", {"exit_code": 1})
+    assert not _finished_with(run_dir, "d4pg", flags)  # it failed
+    write_json(run_dir / "summary.json", {"exit_code": 0})
+    assert _finished_with(run_dir, "d4pg", flags)
+    # Any other run flag or agent flag means another run.
+    assert not _finished_with(run_dir, "d4pg", [*flags[:9], "400", *flags[10:]])
+    assert not _finished_with(run_dir, "d4pg", [*flags[:-1], "256,256"])
