@@ -79,14 +79,15 @@ def test_sigterm_stops_the_run_cleanly_without_orphans(tmp_path):
 @pytest.mark.timeout(300)
 def test_killed_actor_is_restarted_and_the_run_goes_on(tmp_path):
     results = tmp_path / "run"
-    proc = start_run(results, *TINY, "--num_actors", "1", "--max_seconds", "250")
+    # Two environments per actor: the restarted incarnation steps both again.
+    proc = start_run(results, *TINY, "--num_actors", "1", "--envs_per_actor", "2", "--max_seconds", "250")
     try:
         _first_episode(results, proc)
         launcher = psutil.Process(proc.pid)
         worker_process(launcher, "actor", 0).kill()
         wait_for(lambda: worker_process(launcher, "actor", 0, restart=1), 60, "actor 0's restart", proc)
         episodes = len(_rows(results / "actors" / "actor_0.csv"))
-        wait_for(lambda: len(_rows(results / "actors" / "actor_0.csv")) > episodes, 150, "an episode after it", proc)
+        wait_for(lambda: len(_rows(results / "actors" / "actor_0.csv")) >= episodes + 2, 150, "episodes after it", proc)
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=200)
     finally:
@@ -95,6 +96,8 @@ def test_killed_actor_is_restarted_and_the_run_goes_on(tmp_path):
     summary = json.loads((results / "summary.json").read_text())
     assert any(e.startswith("actor_0 died") and "restart 1/3" in e for e in summary["events"])
     assert summary["learner_steps"] > 0 and summary["env_steps"] > 0
+    after = _rows(results / "actors" / "actor_0.csv")[episodes:]
+    assert {r["env_index"] for r in after} == {0, 1}  # both environments of the new incarnation finish episodes
 
 
 @pytest.mark.timeout(300)
@@ -109,7 +112,9 @@ def test_remote_actor_contributes_transitions(tmp_path):
         taken_out, _ = taken.communicate(timeout=100)
         assert taken.returncode == 2 and "--actor_id 0 is one of the run's 1 launcher actors" in taken_out, taken_out[-3000:]
         assert not (tmp_path / "taken").exists()
-        remote = start_remote_actor(address, remote_dir, "--actor_id", "7", "--max_episodes", "1")
+        # This machine's own environment count (the run has 1 per actor).
+        remote = start_remote_actor(address, remote_dir, "--actor_id", "7", "--envs_per_actor", "2",
+                                    "--max_episodes", "2")
         remote_out, _ = remote.communicate(timeout=200)
         assert remote.returncode == 0, remote_out[-3000:]
         proc.send_signal(signal.SIGTERM)
@@ -118,12 +123,14 @@ def test_remote_actor_contributes_transitions(tmp_path):
         stop_all(proc, remote)
     assert proc.returncode == 0, out[-3000:]
     remote_rows = _rows(remote_dir / "actor_7.csv")
-    assert len(remote_rows) == 1 and remote_rows[0]["env_steps"] == 1000  # one full cartpole episode
+    # Two full cartpole episodes, one per environment, ending together at 2 x 1000 env steps.
+    assert sorted(r["env_index"] for r in remote_rows) == [0, 1]
+    assert {(r["env_steps"], r["episode_length"]) for r in remote_rows} == {(2000, 1000)}
     # Its rows travelled through the learner's server into the run's results directory.
     assert _rows(results / "actors" / "actor_7.csv") == remote_rows
     summary = json.loads((results / "summary.json").read_text())
     local_logged = sum(r["episode_length"] for r in _rows(results / "actors" / "actor_0.csv"))
-    assert summary["env_steps"] >= local_logged + 1000
+    assert summary["env_steps"] >= local_logged + 2000
 
 
 @pytest.mark.timeout(120)
@@ -161,7 +168,7 @@ def test_help_documents_every_flag():
 def test_resume_continues_learner_steps_and_env_steps(tmp_path):
     results = tmp_path / "run"
     base = [sys.executable, "experiments/run_d4pg.py"]
-    first = subprocess.run([*base, *TINY, "--num_actors", "1", "--max_learner_steps", "100",
+    first = subprocess.run([*base, *TINY, "--num_actors", "1", "--envs_per_actor", "2", "--max_learner_steps", "100",
                             "--results_dir", str(results)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=280)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
     before = json.loads((results / "summary.json").read_text())
@@ -170,6 +177,7 @@ def test_resume_continues_learner_steps_and_env_steps(tmp_path):
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
     after = json.loads((results / "summary.json").read_text())
     assert before["learner_steps"] == 100 and after["learner_steps"] == 200
+    assert json.loads((results / "config.json").read_text())["run"]["envs_per_actor"] == 2  # kept by --resume
     assert after["env_steps"] > before["env_steps"]  # the counter carries on from the checkpoint
     steps = [r["learner_steps"] for r in _rows(results / "learner.csv")]
     assert steps == [100, 200]  # one stream, continued rather than restarted
@@ -177,7 +185,7 @@ def test_resume_continues_learner_steps_and_env_steps(tmp_path):
     port = json.loads((results / "config.json").read_text())["run"]["port"]
     with socket.socket() as holder:
         holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # the run's connections may linger in TIME_WAIT
-        holder.bind(("", port))
+        holder.bind(("127.0.0.1", port))
         holder.listen()
         third = subprocess.run([*base, "--resume", str(results), "--max_learner_steps", "300"], cwd=ROOT, env=ENV,
                                capture_output=True, text=True, timeout=200)

@@ -176,7 +176,7 @@ def _assert_complete(results: Path, num_actors: int) -> dict:
 def test_dqn_on_a_local_ray_instance_stops_on_sigterm_and_leaves_no_process(tmp_path):
     results = tmp_path / "run"
     proc = _launch(results, "--task", "CartPole-v1", "--q_layers", "16,16", "--batch_size", "16", "--min_replay_size",
-                   "100", "--num_actors", "1", "--max_seconds", "120", "--eval_period", "100",
+                   "100", "--num_actors", "1", "--envs_per_actor", "2", "--max_seconds", "120", "--eval_period", "100",
                    "--checkpoint_period", "200", script="experiments/run_dqn.py")
     seen = Descendants([proc.pid])
     remote = None
@@ -201,6 +201,7 @@ def test_dqn_on_a_local_ray_instance_stops_on_sigterm_and_leaves_no_process(tmp_
     assert "stop requested" in out
     summary = _assert_complete(results, 1)  # stopped in order: final checkpoint, final evaluation, every file
     assert summary["launcher"] == "ray" and summary["env_steps"] > 0
+    assert {r["env_index"] for r in rows(results / "actors" / "actor_0.csv")} == {0, 1}  # both of its environments
     assert remote.returncode == 0 and len(rows(tmp_path / "remote" / "actor_7.csv")) == 2
     assert rows(results / "actors" / "actor_7.csv") == rows(tmp_path / "remote" / "actor_7.csv")
     assert any("raylet" in cmd for cmd in processes.values()), "no local Ray instance was started"

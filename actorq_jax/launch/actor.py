@@ -368,12 +368,16 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--actor_id", type=int, default=100, help="id used in logs and for seeding (default 100)")
     parser.add_argument("--log_dir", default="remote_actor_logs", help="where this actor writes actor_<id>.csv")
     parser.add_argument("--threads", type=int, default=1, help="XLA/intra-op threads of this actor (default 1)")
+    parser.add_argument("--envs_per_actor", type=int, default=None,
+                        help="environments this actor steps in lockstep (default: the run's --envs_per_actor)")
     parser.add_argument("--max_episodes", type=int, default=None, help="stop after this many episodes")
     parser.add_argument("--server_timeout_s", type=float, default=None,
                         help="seconds to keep reconnecting to an unreachable learner before exiting (default: the run's)")
     args = parser.parse_args(argv)
     if args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
+    if args.envs_per_actor is not None and args.envs_per_actor < 1:
+        parser.error(f"--envs_per_actor must be >= 1, got {args.envs_per_actor}")
     if args.max_episodes is not None and args.max_episodes < 1:
         parser.error(f"--max_episodes must be >= 1, got {args.max_episodes}")
     if args.server_timeout_s is not None and not args.server_timeout_s > 0:
@@ -391,7 +395,9 @@ def main(argv: Optional[list] = None) -> int:
 
     try:
         run, agent_config = config_from_json(fetch_config(args.server, args.server_timeout_s or DEFAULT_SERVER_TIMEOUT_S))
-        run = dataclasses.replace(run, actor_threads=args.threads)  # this machine's budget, not the learner's
+        # This machine's budget, not the learner's.
+        run = dataclasses.replace(run, actor_threads=args.threads,
+                                  envs_per_actor=args.envs_per_actor or run.envs_per_actor)
     except (TimeoutError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
