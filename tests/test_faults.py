@@ -27,6 +27,7 @@ from launch_support import (
     status,
     stop_all,
     wait_for,
+    worker_process,
 )
 
 from actorq_jax.launch import runtime
@@ -147,6 +148,28 @@ def test_killed_launcher_takes_every_worker_and_remote_actors_leave(tmp_path):
     assert "Traceback" not in out
     episodes = [r["episode"] for r in rows(remote_dir / "actor_7.csv")]
     assert episodes == list(range(1, len(episodes) + 1)) and episodes
+
+
+@pytest.mark.timeout(300)
+def test_a_run_whose_actors_are_all_gone_stops_instead_of_waiting_for_its_budget(tmp_path):
+    results = tmp_path / "run"
+    proc = start_run(results, *TINY, "--num_actors", "1", "--max_actor_restarts", "0", "--max_seconds", "600")
+    try:
+        wait_for(lambda: status(results).get("learner_steps", 0) > 0, 150, "SGD steps", proc)
+        launcher = psutil.Process(proc.pid)
+        wait_for(lambda: worker_process(launcher, "actor", 0), 30, "actor 0").kill()
+        killed = time.monotonic()
+        out, _ = proc.communicate(timeout=200)
+        stopped_after = time.monotonic() - killed
+    finally:
+        stop_all(proc)
+    # Stopped on its own, long before its 600 s budget, saying why, with what it collected.
+    assert proc.returncode == 1, out[-3000:]
+    assert stopped_after < 150, stopped_after
+    summary = json.loads((results / "summary.json").read_text())
+    assert summary["exit_code"] == 1
+    assert any(e.startswith("every actor died after its restarts") for e in summary["events"]), summary["events"]
+    assert summary["learner_steps"] > 0 and read_counters(results / "checkpoints")
 
 
 @pytest.mark.timeout(300)

@@ -36,6 +36,9 @@ LEARNER_START_TIMEOUT_S = 300.0
 ACTOR_STOP_TIMEOUT_S = 20.0
 LEARNER_FINAL_TIMEOUT_S = 180.0
 EVALUATOR_FINAL_TIMEOUT_S = 600.0
+# With every launcher actor gone for good, the run stops once no env step has arrived for this long
+# (remote actors, if any, keep it going): the learner would otherwise wait on replay until its budget.
+NO_ACTORS_STALL_S = 30.0
 
 
 def free_port() -> int:
@@ -199,6 +202,8 @@ class Launcher:
         run = self.run
         last_steps, last_time = 0, time.monotonic()
         rate = 0.0
+        seen_steps, seen_at = -1, time.monotonic()
+        actors = [w for w in self.workers if w.role == "actor"]
         while not self.stop.wait(0.25):
             if learner.process.poll() is not None and not self._restart_learner(learner):
                 return 1
@@ -222,6 +227,12 @@ class Launcher:
             learner_steps = int(status.get("learner_steps", 0))
             elapsed = time.monotonic() - start
             now = time.monotonic()
+            if env_steps != seen_steps:
+                seen_steps, seen_at = env_steps, now
+            elif actors and all(w.gave_up for w in actors) and now - seen_at >= NO_ACTORS_STALL_S:
+                self._say(f"every actor died after its restarts and no env step arrived for {NO_ACTORS_STALL_S:.0f} s; "
+                          f"stopping the run (everything collected is kept)")
+                return 1
             if now - last_time >= 2.0:
                 rate = (env_steps - last_steps) / (now - last_time)
                 last_steps, last_time = env_steps, now
