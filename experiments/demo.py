@@ -2,17 +2,19 @@
 
     python experiments/demo.py [--seconds_per_run 240] [--results_dir results/demo_<time>]
 
-Two runs, q=32 then q=8, in the QuaRL paper's replay regime (actors run free, each
-item sampled at most 8 times) with the learner pinned to a core of its own when the
-machine has two, so the actors' precision cannot change the learner's speed. Each
-run shows its progress line; then experiments/plot.py draws the curves and the demo
-prints the measured ratio, how much of it higher env-step throughput explains, and
-why one seed is a demonstration rather than a measurement.
+Two runs, q=32 then q=8, in the setting where quantized actors make a run faster on a
+2-core machine (benchmarks/end_to_end.py, RESULTS.md): every process shares the cores
+and Reverb's ratio limiter holds the learner to the actors' data (4 samples per
+inserted item), so CPU the q=8 actors save becomes more env steps and so more SGD
+steps. (With the paper's free-running actors, or the learner on a core of its own,
+the learner's core bounds the run and q=8 changes nothing there.) Each run shows its
+progress line; then experiments/plot.py draws the curves and the demo prints the
+measured ratio, how much of it higher env-step throughput explains, and why one seed
+is a demonstration rather than a measurement.
 """
 
 import argparse
 import math
-import os
 import subprocess
 import sys
 import time
@@ -26,17 +28,10 @@ from actorq_jax.analysis.run_figures import measure_run  # noqa: E402  (after th
 TARGET = 900.0  # cartpole_balance returns reach about 1000; 900 is "balanced"
 RUN_FLAGS = [
     "--task", "cartpole_balance", "--num_actors", "2",
-    "--policy_layers", "256,256", "--critic_layers", "256,256",
-    "--rate_limiter", "min_size", "--max_times_sampled", "8",
+    "--policy_layers", "256,256,256", "--critic_layers", "256,256",
+    "--rate_limiter", "ratio", "--samples_per_insert", "4",
     "--eval_period", "500", "--eval_episodes", "1",
 ]
-
-
-def _placement() -> list:
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2:
-        return []
-    return ["--learner_cpus", str(cores[0]), "--actor_cpus", ",".join(map(str, cores[1:]))]
 
 
 def _explain(q32: dict, q8: dict) -> str:
@@ -51,7 +46,8 @@ def _explain(q32: dict, q8: dict) -> str:
                      f"each seed needed ({q32['env_steps_to_target']:,d} vs {q8['env_steps_to_target']:,d})")
     lines.append("demo: one seed per precision is a demonstration, not a measurement: single-seed ratios of this demo "
                  "have ranged from 0.67x to 2.53x on this project's machines. For the measured answer run "
-                 "python benchmarks/end_to_end.py (3 seeds, interleaved, two layouts).")
+                 "python benchmarks/end_to_end.py --layouts shared --rate_limiter ratio --samples_per_insert 4 "
+                 "(3 seeds, interleaved; without flags: the paper's regime in both layouts).")
     return "\n".join(lines)
 
 
@@ -67,7 +63,7 @@ def main(argv=None) -> int:
     figures = {}
     for bits in (32, 8):
         run_dir = out / f"d4pg_cartpole_balance_q{bits}_s0"
-        cmd = [sys.executable, str(HERE / "run.py"), "--agent", "d4pg", *RUN_FLAGS, *_placement(),
+        cmd = [sys.executable, str(HERE / "run.py"), "--agent", "d4pg", *RUN_FLAGS,
                "--actor_bits", str(bits), "--seed", "0", "--max_seconds", str(args.seconds_per_run),
                "--results_dir", str(run_dir)]
         print(f"demo: q={bits}: " + " ".join(cmd[1:]), flush=True)
