@@ -24,6 +24,7 @@ q8 / q32 for rates); the pinned layout's keys are plain, the shared layout's end
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -90,8 +91,6 @@ def _run(agent: str, layout: str, bits: int, seed: int, args: argparse.Namespace
 def _finished_with(run_dir: Path, agent: str, flags: List[str]) -> bool:
     """Whether run_dir holds a finished run of exactly these flags (so a grid extended by seeds, or
     restarted after an interruption, reruns nothing it already has)."""
-    import dataclasses
-
     from actorq_jax.launch.config import config_from_json
     from actorq_jax.launch.flags import parse_run
 
