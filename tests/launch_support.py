@@ -1,11 +1,14 @@
-"""Helpers of the tests that start real runs (launcher, learner, actors) on localhost."""
+"""Shared test settings (repository root, environment, tiny-run flags) and helpers of the tests that start real
+runs (launcher, learner, actors) on localhost."""
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Callable, Dict, List, Optional
 
 import psutil
@@ -13,13 +16,38 @@ import psutil
 from actorq_jax.telemetry import read_csv
 
 ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "MUJOCO_GL": "disable", "TF_CPP_MIN_LOG_LEVEL": "2"}
+# Set for the whole test run (conftest.py) and for every process a test starts: no display, quiet TensorFlow.
+SHARED_ENV = {"MUJOCO_GL": "disable", "TF_CPP_MIN_LOG_LEVEL": "2"}
+ENV = {**os.environ, **SHARED_ENV}
 # A D4PG run small enough for 2 cores: tiny networks, a short warm-up, frequent publications and checkpoints.
 TINY = [
     "--task", "cartpole_balance", "--policy_layers", "16,16", "--critic_layers", "32,32",
     "--batch_size", "16", "--min_replay_size", "100", "--samples_per_insert", "4",
     "--publish_period", "5", "--update_period", "50", "--eval_period", "50", "--checkpoint_period", "100",
 ]
+
+# A DQN run as small: CartPole with a tiny Q-network and a short warm-up.
+TINY_DQN = ["--task", "CartPole-v1", "--q_layers", "16,16", "--batch_size", "16", "--min_replay_size", "100"]
+
+
+def load_script(name: str) -> ModuleType:
+    """experiments/<name>.py as a module (its main callable in-process; nothing runs at import)."""
+    spec = importlib.util.spec_from_file_location(f"experiments_{name}", ROOT / "experiments" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def usage_error(capsys: Any, call: Callable[[], Any]) -> str:
+    """Runs `call`, which must exit with code 2 (argparse's usage error); returns what it wrote to stderr."""
+    capsys.readouterr()
+    try:
+        call()
+    except SystemExit as exit_info:
+        err = capsys.readouterr().err
+        assert exit_info.code == 2, f"exit code {exit_info.code}: {err[-2000:]}"
+        return err
+    raise AssertionError("accepted: no usage error")
 
 
 def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str, proc: Optional[subprocess.Popen] = None) -> Any:

@@ -31,10 +31,14 @@ from launch_support import (
 )
 
 from actorq_jax.launch import runtime
+from actorq_jax.launch.actor import fetch_config
 from actorq_jax.launch.checkpoint import read_counters
 from actorq_jax.replay import ReplayServer, make_variables_table
 from actorq_jax.replay.server import checkpoint_items, checkpoint_table_size
 from actorq_jax.replay.variables import insert_wire
+
+# Every test here starts a launcher, a worker or a Reverb server.
+pytestmark = pytest.mark.process
 
 
 def _monotonic(values, strict: bool = False) -> bool:
@@ -201,11 +205,25 @@ def test_malformed_payload_is_rejected_and_the_actor_keeps_its_parameters(tmp_pa
     assert log.count("rejected the variables payload") == 1
 
 
+MALFORMED_CONFIG_ROWS = [b'{"run": {"agent": "d4pg"', b'{"run": {"agent": "nope"}, "agent": {}}', b"\xff\xfe"]
+
+
+def _config_server(row: bytes) -> ReplayServer:
+    server = ReplayServer([make_variables_table(runtime.CONFIG_TABLE)])
+    server.client().insert([np.frombuffer(row, np.uint8)], {runtime.CONFIG_TABLE: 1.0})
+    return server
+
+
+@pytest.mark.parametrize("row", MALFORMED_CONFIG_ROWS)
+def test_a_malformed_config_row_is_named_with_the_server(row):
+    with _config_server(row) as server:
+        with pytest.raises(ValueError, match=f"the config table on localhost:{server.port} holds a malformed row"):
+            fetch_config(f"localhost:{server.port}", 5)
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("row", [b'{"run": {"agent": "d4pg"', b'{"run": {"agent": "nope"}, "agent": {}}', b"\xff\xfe"])
-def test_remote_actor_exits_clearly_on_a_malformed_config_row(tmp_path, row):
-    with ReplayServer([make_variables_table(runtime.CONFIG_TABLE)]) as server:
-        server.client().insert([np.frombuffer(row, np.uint8)], {runtime.CONFIG_TABLE: 1.0})
+def test_remote_actor_exits_clearly_on_a_malformed_config_row(tmp_path):
+    with _config_server(MALFORMED_CONFIG_ROWS[0]) as server:
         proc = subprocess.run([sys.executable, "-m", "actorq_jax.launch.actor", "--server", f"localhost:{server.port}",
                                "--log_dir", str(tmp_path), "--server_timeout_s", "5"],
                               cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=100)

@@ -3,6 +3,7 @@
 Each behaviour has its run, so one failure fails one test: a budget run leaves a
 complete results directory; SIGTERM stops a run without orphans; a killed actor
 is restarted; a remote actor joins with --server; --resume continues a run.
+Flag validation runs in-process, with one run of the script itself.
 (Crashes of the learner and the launcher: tests/test_faults.py.)
 """
 
@@ -14,8 +15,23 @@ import sys
 
 import psutil
 import pytest
-from launch_support import ENV, ROOT, TINY, alive, start_remote_actor, start_run, status, stop_all, wait_for, worker_process
+from launch_support import (
+    ENV,
+    ROOT,
+    TINY,
+    alive,
+    load_script,
+    start_remote_actor,
+    start_run,
+    status,
+    stop_all,
+    usage_error,
+    wait_for,
+    worker_process,
+)
 from launch_support import rows as _rows
+
+from actorq_jax.launch.flags import parse_run
 
 
 def _started(results, proc):
@@ -27,6 +43,7 @@ def _first_episode(results, proc) -> None:
     wait_for(lambda: _rows(results / "actors" / "actor_0.csv"), 150, "actor 0's first episode", proc)
 
 
+@pytest.mark.process
 @pytest.mark.timeout(400)
 def test_budget_run_leaves_a_complete_results_directory(tmp_path):
     d = tmp_path / "run"
@@ -59,6 +76,7 @@ def test_budget_run_leaves_a_complete_results_directory(tmp_path):
     assert any((d / "checkpoints").iterdir()) and any((d / "replay_checkpoints").iterdir())
 
 
+@pytest.mark.process
 @pytest.mark.timeout(300)
 def test_sigterm_stops_the_run_cleanly_without_orphans(tmp_path):
     results = tmp_path / "run"
@@ -76,6 +94,7 @@ def test_sigterm_stops_the_run_cleanly_without_orphans(tmp_path):
     assert alive(pids) == [], f"processes outlived the run: {alive(pids)}"
 
 
+@pytest.mark.process
 @pytest.mark.timeout(300)
 def test_killed_actor_is_restarted_and_the_run_goes_on(tmp_path):
     results = tmp_path / "run"
@@ -100,6 +119,7 @@ def test_killed_actor_is_restarted_and_the_run_goes_on(tmp_path):
     assert {r["env_index"] for r in after} == {0, 1}  # both environments of the new incarnation finish episodes
 
 
+@pytest.mark.process
 @pytest.mark.timeout(300)
 def test_remote_actor_contributes_transitions(tmp_path):
     results, remote_dir = tmp_path / "run", tmp_path / "remote"
@@ -133,7 +153,6 @@ def test_remote_actor_contributes_transitions(tmp_path):
     assert summary["env_steps"] >= local_logged + 2000
 
 
-@pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "flags, named",
     [
@@ -146,24 +165,34 @@ def test_remote_actor_contributes_transitions(tmp_path):
         (["--actor_backend", "fp32", "--actor_bits", "8"], "--actor_backend"),
     ],
 )
-def test_bad_flags_exit_2_naming_the_flag(flags, named, tmp_path):
-    proc = subprocess.run([sys.executable, "experiments/run_d4pg.py", *flags, "--results_dir", str(tmp_path / "r")],
-                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=100)
-    assert proc.returncode == 2, proc.stderr
-    assert named in proc.stderr
+def test_bad_flags_exit_2_naming_the_flag(flags, named, tmp_path, capsys):
+    err = usage_error(capsys, lambda: parse_run("d4pg", [*flags, "--results_dir", str(tmp_path / "r")]))
+    assert named in err
     assert not (tmp_path / "r").exists()  # nothing started
 
 
+@pytest.mark.process
 @pytest.mark.timeout(120)
-def test_help_documents_every_flag():
-    out = subprocess.run([sys.executable, "experiments/run_d4pg.py", "--help"], cwd=ROOT, env=ENV,
-                         capture_output=True, text=True, timeout=100).stdout
+def test_the_script_exits_2_naming_a_bad_flag_before_starting_anything(tmp_path):
+    proc = subprocess.run([sys.executable, "experiments/run_d4pg.py", "--actor_bits", "12", "--results_dir",
+                           str(tmp_path / "r")], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 2, proc.stderr
+    assert "--actor_bits" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def test_help_documents_every_flag(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        load_script("run_d4pg").main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
     for flag in ("--task", "--seed", "--num_actors", "--actor_bits", "--comm_bits", "--granularity", "--actor_backend",
                  "--policy_layers", "--critic_layers", "--update_period", "--max_env_steps", "--max_learner_steps",
                  "--max_seconds", "--results_dir", "--country", "--resume"):
         assert flag in out, flag
 
 
+@pytest.mark.process
 @pytest.mark.timeout(600)
 def test_resume_continues_learner_steps_and_env_steps(tmp_path):
     results = tmp_path / "run"

@@ -1,0 +1,41 @@
+"""Settings every test shares, and the tiers of the suite.
+
+The repository root, the environment of the test run and the tiny-run flag presets are defined once, in
+launch_support.py. Tests that start a subprocess, a Reverb server, a Ray cluster or a launcher carry the
+`process` marker; `pytest -m "not process"` (the unit tier) refuses to start any of those, so a test
+missing its marker fails there instead of slowing the tier down.
+"""
+
+import multiprocessing.process
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+from launch_support import SHARED_ENV
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Sets the shared environment for the whole test run, before any test module is imported."""
+    os.environ.update(SHARED_ENV)
+
+
+def _unit_tier(config: pytest.Config) -> bool:
+    return "not process" in (config.getoption("markexpr") or "")
+
+
+def _refuse(what: str) -> Any:
+    def refused(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError(f"a test outside the `process` marker started {what}; mark it @pytest.mark.process")
+    return refused
+
+
+@pytest.fixture(autouse=True)
+def _no_processes_in_the_unit_tier(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In the unit tier, starting a subprocess, a multiprocessing child or a Reverb server fails the test."""
+    if _unit_tier(request.config) and request.node.get_closest_marker("process") is None:
+        monkeypatch.setattr(subprocess.Popen, "__init__", _refuse("a subprocess"))
+        monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", _refuse("a multiprocessing child"))
+        if "reverb" in sys.modules:
+            monkeypatch.setattr(sys.modules["reverb"].Server, "__init__", _refuse("a Reverb server"))
