@@ -5,7 +5,6 @@ from typing import NamedTuple, Tuple
 import chex
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import rlax
 
@@ -124,8 +123,9 @@ def make_sgd_step(config: DQNConfig, networks: DQNNetworks) -> SgdStep:
 
     def sgd_step(state: TrainingState, batch: ReplayBatch) -> Tuple[TrainingState, Metrics]:
         # Only the numeric parts enter jit: the uint64 item keys stay with the learner for the write-back.
-        probabilities = np.asarray(batch.probabilities, np.float32)
-        table_size = np.asarray(batch.table_size, np.float32)
+        # jnp rather than np casts, so the step also traces under an outer jit (multi_sgd_step's scan).
+        probabilities = jnp.asarray(batch.probabilities, jnp.float32)
+        table_size = jnp.asarray(batch.table_size, jnp.float32)
         return step(state, batch.data, probabilities, table_size)
 
     return sgd_step
