@@ -59,7 +59,7 @@ def _serve(backend: str, bits: int, envs: int, publish_every: float, stop: threa
     builder = D4PGBuilder(agent, spec)
     # No learner samples here, so the replay table must not rate-limit the actor.
     replay = ReplayTableConfig(name="replay", max_size=100_000, min_size=1, samples_per_insert=None)
-    server = ReplayServer(runtime.learner_tables(builder, replay))
+    server = ReplayServer(runtime.service_tables(builder, replay))
     client = server.client()
     runtime.publish_config(client, json.dumps({"run": dataclasses.asdict(run), "agent": dataclasses.asdict(agent)}))
     publisher = VariablePublisher(client, runtime.VARIABLES_TABLE, QuantConfig(bits=bits))

@@ -51,9 +51,9 @@ class Soak:
     flags: tuple = tuple(RUN_FLAGS)
 
 
-def _status(results: Path) -> Dict[str, Any]:
+def _status(results: Path, role: str = "learner") -> Dict[str, Any]:
     try:
-        return json.loads((results / "status" / "learner.json").read_text())
+        return json.loads((results / "status" / f"{role}.json").read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return {}
 
@@ -161,7 +161,7 @@ def run_soak(soak: Soak, say) -> Dict[str, Any]:
                 say(f"{at:6.0f}s  SIGKILL learner at step {status.get('learner_steps')}")
                 start += _paused(soak.results, proc, old_pid=status["pid"])
             elif event == "malformed_payload":
-                _malformed_payload(status["local_address"])
+                _malformed_payload(_status(soak.results, "replay")["local_address"])
                 say(f"{at:6.0f}s  malformed payload into the variables table")
             else:
                 proc.send_signal(signal.SIGTERM)

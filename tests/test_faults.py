@@ -1,5 +1,5 @@
-"""Faults lose nothing: a killed learner comes back with its replay, a killed launcher takes its workers
-with it, remote actors leave a dead learner with one clear line, bad payloads and config rows are refused.
+"""Faults lose nothing: a killed learner comes back against the live replay service, a killed launcher takes
+its workers with it, remote actors leave a dead learner with one clear line, bad payloads and config rows are refused.
 
 Real launchers, learners, actors and Reverb servers on localhost; each test bounded by pytest-timeout.
 """
@@ -62,25 +62,30 @@ def _replay_items(results, checkpoint: str) -> int:
 
 
 @pytest.mark.timeout(480)
-def test_killed_learner_comes_back_with_its_replay_and_actors_reconnect(tmp_path):
+def test_killed_learner_comes_back_against_the_live_replay_and_actors_keep_going(tmp_path):
     results, remote_dir = tmp_path / "run", tmp_path / "remote"
     proc = start_run(results, *TINY, "--num_actors", "1", "--max_seconds", "400", "--server_timeout_s", "120",
                      "--max_learner_restarts", "1")
     remote = None
     try:
-        first = wait_for(lambda: status(results).get("address") and status(results), 150, "the learner", proc)
-        remote = start_remote_actor(first["local_address"], remote_dir, "--actor_id", "7")
+        service = wait_for(lambda: status(results, "replay").get("address") and status(results, "replay"), 150,
+                           "the replay service", proc)
+        first = wait_for(lambda: status(results).get("phase") == "running" and status(results), 150, "the learner", proc)
+        remote = start_remote_actor(service["local_address"], remote_dir, "--actor_id", "7")
         wait_for(lambda: read_counters(results / "checkpoints") and rows(remote_dir / "actor_7.csv"), 240,
                  "a checkpoint and a remote episode", proc)
         os.kill(first["pid"], signal.SIGKILL)
         last = read_counters(results / "checkpoints")  # what the dead learner could prove
+        items_at_kill = status(results, "replay")["items"]
         episodes = {p: len(rows(p)) for p in (results / "actors" / "actor_0.csv", remote_dir / "actor_7.csv")}
-        back = wait_for(lambda: status(results).get("pid") not in (None, first["pid"]) and status(results), 150,
+        back = wait_for(lambda: status(results).get("pid") not in (None, first["pid"])
+                        and status(results).get("phase") == "running" and status(results), 150,
                         "the restarted learner", proc)
         restored = back["restored"]
-        assert back["local_address"] == first["local_address"]  # the same port
+        # State from its checkpoint; replay is the service's live table, which lost nothing.
         assert restored["learner_steps"] == last["learner_steps"] and restored["checkpoint"] == last["replay_checkpoint"]
-        assert restored["items"] == _replay_items(results, last["replay_checkpoint"]) > 0
+        assert restored["items"] >= items_at_kill > 0
+        assert status(results, "replay")["pid"] == service["pid"]
         # The local actor and the remote one (both started before the crash) write again.
         wait_for(lambda: all(len(rows(p)) > n for p, n in episodes.items()), 240, "episodes after the restart", proc)
         assert status(results)["env_steps"] > restored["env_steps"]
@@ -102,20 +107,21 @@ def test_killed_learner_comes_back_with_its_replay_and_actors_reconnect(tmp_path
     assert (summary["learner_steps"], summary["env_steps"]) == (proven["learner_steps"], proven["env_steps"])
     assert set(summary["last_status_report"]) == {"learner_steps", "env_steps", "wall_seconds"}
     _assert_counters_never_go_backwards(results)
-    # The remote actor's rows that reached the results directory (through both learners) are its own, each once.
+    # The remote actor's rows that reached the results directory are its own, each once.
     forwarded = rows(results / "actors" / "actor_7.csv")
     assert forwarded and all(r in rows(remote_dir / "actor_7.csv") for r in forwarded)
 
-    # A stopped run resumes on its port with the replay of its final checkpoint.
+    # A stopped run resumes on its port: the service with the replay of the final checkpoint, the learner its state.
     final = read_counters(results / "checkpoints")
     resumed = subprocess.run([sys.executable, "experiments/run_d4pg.py", "--resume", str(results),
                               "--max_learner_steps", str(final["learner_steps"] + 50)],
                              cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
-    again = status(results)
-    assert again["local_address"] == first["local_address"]
-    assert again["restored"]["learner_steps"] == final["learner_steps"]
+    again = status(results, "replay")
+    assert again["local_address"] == service["local_address"]
+    assert again["restored"]["checkpoint"] == final["replay_checkpoint"]
     assert again["restored"]["items"] == _replay_items(results, final["replay_checkpoint"]) > 0
+    assert status(results)["restored"]["learner_steps"] == final["learner_steps"]
     assert json.loads((results / "summary.json").read_text())["learner_steps"] == final["learner_steps"] + 50
     _assert_counters_never_go_backwards(results)  # rows of the lost timeline (after the checkpoint) are gone
 
@@ -126,12 +132,13 @@ def test_killed_launcher_takes_every_worker_and_remote_actors_leave(tmp_path):
     proc = start_run(results, *TINY, "--num_actors", "1", "--max_seconds", "300")
     remote = None
     try:
-        first = wait_for(lambda: status(results).get("address") and status(results), 150, "the learner", proc)
+        first = wait_for(lambda: status(results, "replay").get("address") and status(results, "replay"), 150,
+                         "the replay service", proc)
         remote = start_remote_actor(first["local_address"], remote_dir, "--actor_id", "7", "--server_timeout_s", "10")
         wait_for(lambda: read_counters(results / "checkpoints") and rows(remote_dir / "actor_7.csv"), 240,
                  "a checkpoint and a remote episode", proc)
         workers = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
-        assert len(workers) >= 3  # learner, actor, evaluator
+        assert len(workers) >= 4  # replay service, learner, actor, evaluator
         proc.kill()  # as the OOM killer would
         proc.wait()
         wait_for(lambda: not alive(workers), 30, "every worker to exit")
@@ -184,7 +191,7 @@ def test_malformed_payload_is_rejected_and_the_actor_keeps_its_parameters(tmp_pa
     proc = start_run(results, *TINY, "--num_actors", "1", "--publish_period", "1000000", "--eval_period", "1000000",
                      "--max_seconds", "300")
     try:
-        address = wait_for(lambda: status(results).get("local_address"), 150, "the learner", proc)
+        address = wait_for(lambda: status(results, "replay").get("local_address"), 150, "the replay service", proc)
         wait_for(lambda: rows(csv_path), 150, "actor 0's first episode", proc)
         insert_wire(reverb.Client(address), runtime.VARIABLES_TABLE,
                     [np.frombuffer(b'{"format": "actorq-wire", "format_version": 1}', np.uint8)])
@@ -239,22 +246,26 @@ def test_new_dqn_items_are_sampled_at_the_max_priority(tmp_path):
     from actorq_jax.launch.actor import Actor
     from actorq_jax.launch.config import RunConfig
     from actorq_jax.launch.learner import Learner
+    from actorq_jax.launch.replay_service import ReplayService
 
     run = RunConfig(agent="dqn", task="CartPole-v1", results_dir=str(tmp_path), num_actors=1, update_period=10)
     # No insert/sample ratio: the actor here writes while the learner waits, and the reverse.
     agent = DQNConfig(q_layers=(16, 16), batch_size=16, min_replay_size=50, rate_limiter="min_size",
                       max_times_sampled=1000)
     builder = runtime.make_builder("dqn", agent, environment_spec(make_environment("CartPole-v1", seed=0)))
-    learner = Learner(builder, run, tmp_path)
+    service = ReplayService(builder, run, tmp_path, "{}", resume=False)
+    address = f"localhost:{service.server.port}"
+    learner = Learner(builder, run, tmp_path, address)
     actor = None
     try:
         learner.publish()
         assert learner.publisher.flush(timeout_s=60)
-        actor = Actor(run, agent, 0, f"localhost:{learner.server.port}", threading.Event())
+        actor = Actor(run, agent, 0, address, threading.Event())
         assert actor.connect()
         while learner.client.server_info(timeout=5)["replay"].current_size < 60:
             actor.run_episode()  # written at priority 1.0: nothing was written back yet
-        old = checkpoint_items(learner.server.checkpoint_dir, learner.server.checkpoint("before"), "replay")
+        checkpoints = service.server.checkpoint_dir
+        old = checkpoint_items(checkpoints, service.server.checkpoint("before"), "replay")
         while learner.step() is None:
             pass
         for _ in range(4):
@@ -265,7 +276,7 @@ def test_new_dqn_items_are_sampled_at_the_max_priority(tmp_path):
         actor.variables.update(wait=True)
         assert actor.variables.meta == {"max_priority": learner.max_priority}
         actor.run_episode()
-        items = checkpoint_items(learner.server.checkpoint_dir, learner.server.checkpoint("after"), "replay")
+        items = checkpoint_items(checkpoints, service.server.checkpoint("after"), "replay")
         new = {key: priority for key, priority in items.items() if key not in old}
         assert len(old) >= 60 and new
         assert set(np.float32(list(new.values()))) == {np.float32(learner.max_priority)}
@@ -274,4 +285,4 @@ def test_new_dqn_items_are_sampled_at_the_max_priority(tmp_path):
             actor.close()
         learner.publisher.close()
         learner.checkpointer.close()
-        learner.server.stop()
+        service.stop()

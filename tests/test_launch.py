@@ -35,7 +35,9 @@ from actorq_jax.launch.flags import parse_run
 
 
 def _started(results, proc):
-    return wait_for(lambda: status(results).get("address") and status(results), 150, "the learner's address", proc)
+    """The replay service's status once the learner trains against it."""
+    wait_for(lambda: status(results).get("phase") == "running", 150, "the learner", proc)
+    return status(results, "replay")
 
 
 def _first_episode(results, proc) -> None:

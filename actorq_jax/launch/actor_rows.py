@@ -1,13 +1,13 @@
-"""Episode rows of hand-started remote actors, carried to the run's results directory by the learner's server.
+"""Episode rows of hand-started remote actors, carried to the run's results directory by the replay service.
 
 A remote actor (`python -m actorq_jax.launch.actor --server HOST:PORT`) may run on a
 machine that shares no disk with the launcher. Besides its own CSV (its copy, kept
-whatever happens to the learner), it inserts each finished episode's row into the
-ACTOR_ROWS_TABLE of the learner's Reverb server (`RowForwarder`). The learner drains
-that table about once a second into actors/actor_<id>.csv of its results directory
+whatever happens to the service), it inserts each finished episode's row into the
+ACTOR_ROWS_TABLE of the run's Reverb server (`RowForwarder`). The replay service drains
+that table about twice a second into actors/actor_<id>.csv of its results directory
 (`RowDrain`); under `--launcher ray` the driver mirrors that file like every other
-file the learner writes. So a remote actor's rows reach the results directory by the
-same road as everything else from the learner's node. Actors the launcher starts
+file the service writes. So a remote actor's rows reach the results directory by the
+same road as everything else from the service's node. Actors the launcher starts
 write their CSV directly and do not use this table.
 
 Rows travel as JSON text (no pickle on the wire) and are checked on arrival: a row
@@ -16,7 +16,6 @@ and dropped, never written.
 """
 
 import collections
-import json
 import logging
 import math
 from pathlib import Path
@@ -27,7 +26,7 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 ACTOR_ROWS_TABLE = "actor_rows"
-# Rows the table holds before the oldest is dropped (a learner that does not drain); the
+# Rows the table holds before the oldest is dropped (a service that does not drain); the
 # remote actor's own CSV still has them.
 MAX_PENDING_ROWS = 10_000
 # A remote actor keeps at most this many rows it could not send yet (its CSV has them all).
@@ -37,36 +36,25 @@ MAX_ROW_BYTES = 16_384
 
 
 def make_actor_rows_table() -> Any:
-    """The FIFO table remote actors insert episode rows into; each row is read once by the learner."""
-    import reverb
+    """The FIFO table remote actors insert episode rows into; each row is read once by the replay service."""
+    from actorq_jax.replay.messages import make_message_table
 
-    return reverb.Table(
-        name=ACTOR_ROWS_TABLE,
-        sampler=reverb.selectors.Fifo(),
-        remover=reverb.selectors.Fifo(),
-        max_size=MAX_PENDING_ROWS,
-        max_times_sampled=1,
-        rate_limiter=reverb.rate_limiters.MinSize(1))
+    return make_message_table(ACTOR_ROWS_TABLE, max_size=MAX_PENDING_ROWS)
 
 
 def encode_row(row: Mapping[str, Any]) -> np.ndarray:
     """An actor row as JSON bytes (uint8), the form it travels in."""
-    return np.frombuffer(json.dumps(dict(row), allow_nan=True).encode(), np.uint8)
+    from actorq_jax.replay.messages import encode_message
+
+    return encode_message(row)
 
 
 def decode_row(data: Any) -> Dict[str, Any]:
     """The actor row in `data` (uint8 JSON bytes); ValueError saying what is wrong with it."""
+    from actorq_jax.replay.messages import decode_message
     from actorq_jax.telemetry import ACTOR_FIELDS
 
-    array = np.asarray(data)
-    if array.dtype != np.uint8 or array.ndim != 1 or array.size > MAX_ROW_BYTES:
-        raise ValueError(f"not an encoded row (dtype {array.dtype}, shape {array.shape})")
-    try:
-        row = json.loads(array.tobytes().decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"not JSON text ({error})") from None
-    if not isinstance(row, dict):
-        raise ValueError(f"not a JSON object but {type(row).__name__}")
+    row = decode_message(data, what="row", max_bytes=MAX_ROW_BYTES)
     unknown = sorted(set(row) - set(ACTOR_FIELDS))
     if unknown:
         raise ValueError(f"unknown columns {unknown}")
@@ -81,7 +69,7 @@ def decode_row(data: Any) -> Dict[str, Any]:
 
 
 class RowForwarder:
-    """A remote actor's side: sends each finished episode's row to the learner; unsent rows wait for the next try."""
+    """A remote actor's side: sends each finished episode's row to the replay service; unsent rows wait for the next try."""
 
     def __init__(self, address: str, timeout_s: float):
         self._address = address
@@ -92,7 +80,7 @@ class RowForwarder:
 
     @property
     def unsent(self) -> int:
-        """Rows not (yet) on the learner's server."""
+        """Rows not (yet) on the replay service."""
         return len(self._unsent)
 
     def send(self, row: Mapping[str, Any]) -> None:
@@ -114,7 +102,7 @@ class RowForwarder:
                 writer.create_item(ACTOR_ROWS_TABLE, 1.0, [writer.history[0][-1]])
                 writer.end_episode(timeout_ms=self._timeout_ms)
             except (reverb.DeadlineExceededError, RuntimeError) as error:
-                # The learner is away (restarting, or gone): the row stays queued, and in the actor's CSV.
+                # The service is away (restarting, or gone): the row stays queued, and in the actor's CSV.
                 log.debug("could not forward an episode row: %s", error)
                 # A fresh client next time: a channel that saw its server go backs off for minutes.
                 self._client = None
@@ -128,7 +116,7 @@ class RowForwarder:
 
 
 class RowDrain:
-    """The learner's side: moves rows from the actor_rows table into actors/<actor_id>.csv under `actors_dir`."""
+    """The replay service's side: moves rows from the actor_rows table into actors/<actor_id>.csv under `actors_dir`."""
 
     def __init__(self, client: Any, actors_dir: Path, num_local_actors: int):
         self._client = client
@@ -173,7 +161,7 @@ class RowDrain:
         from actorq_jax.telemetry import ACTOR_FIELDS, CsvLogger
 
         if actor_id not in self._loggers:
-            # Flushed at once, as the actors' own files are: a killed learner loses no drained row.
+            # Flushed at once, as the actors' own files are: a killed service loses no drained row.
             self._loggers[actor_id] = CsvLogger(self._dir / f"actor_{actor_id}.csv", ACTOR_FIELDS, flush_every_s=0)
         return self._loggers[actor_id]
 

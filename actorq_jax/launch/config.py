@@ -14,6 +14,8 @@ from actorq_jax.quantization.config import GRANULARITIES, INT_BITS, VALID_BITS
 BACKENDS = ("auto", "fp32", "fakequant", "int8")
 INT8_MODES = ("w8a8", "w8a32")
 BUDGETS = ("max_env_steps", "max_learner_steps", "max_seconds")
+LAYOUTS = ("shared", "pinned")
+CPU_FLAGS = ("learner_cpus", "replay_cpus", "actor_cpus")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,14 +52,21 @@ class RunConfig:
     country: str = documented("USA", "ISO 3166 alpha-3 code for codecarbon's carbon intensity")
     actor_threads: int = documented(1, "XLA/intra-op threads per actor process")
     learner_threads: int = documented(0, "XLA threads of the learner (0: every core)")
-    learner_cpus: str = documented("", "cores the learner is pinned to, e.g. 0 or 0-1 (default: every core)")
-    actor_cpus: str = documented("", "cores actors and the evaluator are pinned to, e.g. 1 or 2,3 (default: every core)")
+    layout: str = documented(
+        "shared", f"how roles share this machine's cores, one of {LAYOUTS}: shared (every role on every core) or "
+                  "pinned (the learner alone on the first core, the replay service, actors and evaluator on the rest); "
+                  "explicit --*_cpus flags override it")
+    learner_cpus: str = documented("", "cores the learner is pinned to, e.g. 0 or 0-1 (default: from --layout)")
+    replay_cpus: str = documented("", "cores the replay service is pinned to, e.g. 1 (default: from --layout)")
+    actor_cpus: str = documented("", "cores actors and the evaluator are pinned to, e.g. 1 or 2,3 (default: from --layout)")
     max_actor_restarts: int = documented(3, "restarts per actor slot before the run goes on without it")
     max_learner_restarts: int = documented(
-        2, "times the launcher restarts a dead learner from its last checkpoint (replay included) before stopping the run")
+        2, "times the launcher restarts a dead learner from its last checkpoint before stopping the run")
+    max_replay_restarts: int = documented(
+        2, "times the launcher restarts a dead replay service from its last checkpoint (same port) before stopping the run")
     server_timeout_s: float = documented(
-        60.0, "seconds an actor keeps reconnecting to an unreachable learner before it exits non-zero")
-    port: int = documented(0, "Reverb port of the learner (0: a free one)")
+        60.0, "seconds a worker keeps reconnecting to an unreachable replay service before it exits non-zero")
+    port: int = documented(0, "Reverb port of the replay service (0: a free one)")
     launcher: str = documented(
         "local", f"where workers run, one of {LAUNCHERS}: local subprocesses, or Ray actors on a cluster's nodes")
     ray_address: str = documented(
@@ -65,9 +74,10 @@ class RunConfig:
             "(default: a Ray instance on this machine, started and stopped with the run)")
     learner_resources: str = documented(
         "", "Ray resources the learner needs, e.g. GPU=1 or CPU=2,learner_node=1 (--launcher ray)")
+    replay_resources: str = documented("", "Ray resources the replay service needs, e.g. CPU=1 or replay_node=1 (--launcher ray)")
     actor_resources: str = documented("", "Ray resources each actor needs, e.g. CPU=1 or actor_node=1 (--launcher ray)")
     advertise_host: str = documented(
-        "", "host part of the learner's Reverb address other machines use (default: this machine's name; under Ray "
+        "", "host part of the replay service's Reverb address other machines use (default: this machine's name; under Ray "
             "its node's IP). Reverb's port has no authentication: keep a cluster on a trusted network")
     resume: bool = documented(False, "continue from results_dir's last checkpoint (the flag is --resume RESULTS_DIR)",
                               flag=False)
@@ -107,10 +117,12 @@ def run_config_problems(run: Any) -> List[Tuple[str, str]]:
                  "envs_per_actor"):
         if getattr(run, name) < 1:
             problems.append((name, f"must be >= 1, got {getattr(run, name)}"))
-    for name in ("learner_threads", "max_actor_restarts", "max_learner_restarts"):
+    for name in ("learner_threads", "max_actor_restarts", "max_learner_restarts", "max_replay_restarts"):
         if getattr(run, name) < 0:
             problems.append((name, f"must be >= 0, got {getattr(run, name)}"))
-    for name in ("learner_cpus", "actor_cpus"):
+    if run.layout not in LAYOUTS:
+        problems.append(("layout", f"{run.layout!r} not in {LAYOUTS}"))
+    for name in CPU_FLAGS:
         # Only the syntax here: a remote actor reads this config on a machine with other cores.
         try:
             if getattr(run, name):
@@ -119,7 +131,7 @@ def run_config_problems(run: Any) -> List[Tuple[str, str]]:
             problems.append((name, str(error)))
     if run.launcher not in LAUNCHERS:
         problems.append(("launcher", f"{run.launcher!r} not in {LAUNCHERS}"))
-    for name in ("learner_resources", "actor_resources"):
+    for name in ("learner_resources", "replay_resources", "actor_resources"):
         from actorq_jax.launch.ray_placement import parse_resources  # imports no Ray at module level
 
         try:

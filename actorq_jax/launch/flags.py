@@ -8,13 +8,14 @@ before any process starts, naming the flag.
 
 import argparse
 import dataclasses
+import os
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence, Tuple
 
 from actorq_jax.agents.registry import get_agent
 from actorq_jax.config import add_config_flags, flag_fields
-from actorq_jax.launch.config import BUDGETS, RunConfig, config_from_json, run_config_problems
+from actorq_jax.launch.config import BUDGETS, CPU_FLAGS, RunConfig, config_from_json, run_config_problems
 from actorq_jax.launch.runtime import cpu_list_problem
 
 # RunConfig fields the parser handles itself rather than as plain flags.
@@ -53,10 +54,12 @@ def parse_run(agent: str, argv: Optional[Sequence[str]], description: Optional[s
 
     for flag, message in ray_flag_problems(probe):
         parser.error(f"--{flag}: {message}")
-    for name in ("learner_cpus", "actor_cpus"):
+    for name in CPU_FLAGS:
         problem = cpu_list_problem(values[name])
         if problem:
             parser.error(f"--{name}: {problem}")
+    if values["layout"] == "pinned" and len(os.sched_getaffinity(0)) < 2:
+        parser.error(f"--layout: pinned needs at least 2 cores; this process has {len(os.sched_getaffinity(0))}")
     from actorq_jax.environments import available_tasks
 
     tasks = available_tasks()

@@ -1,15 +1,19 @@
-"""Starts and watches one ActorQ run: a learner (owning Reverb), N actors and an evaluator.
+"""Starts and watches one ActorQ run: a replay service (owning Reverb), a learner, N actors and an evaluator.
 
 Every worker is a fresh `python -m actorq_jax.launch.worker` process (never a
-fork of a process that has initialised JAX), with its own thread budget and a
-log file under `<results_dir>/logs/`. The launcher restarts actors that die,
-restarts a learner that dies from its last checkpoint (replay included) on the
-same port, up to `max_learner_restarts` times, while the actors reconnect on
-their own; it stops the run past that, on Ctrl-C/SIGTERM or at a budget, and
-shuts down in an order that keeps every result: actors first, then the learner
-(final checkpoint and publication), then the evaluator's final evaluation.
+fork of a process that has initialised JAX), with its own thread budget, cores
+(`--layout`, `--*_cpus`) and a log file under `<results_dir>/logs/`. The
+launcher starts the replay service first and hands its address to every other
+worker. It restarts actors that die; a learner that dies restarts from its last
+checkpoint against the same live replay table (up to `max_learner_restarts`);
+a replay service that dies restarts on the same port from the replay checkpoint
+of the learner's last checkpoint (up to `max_replay_restarts`), while the
+learner and actors reconnect on their own. It stops the run past those, on
+Ctrl-C/SIGTERM or at a budget, and shuts down in an order that keeps every
+result: actors first, then the learner (final checkpoint and publication), then
+the evaluator's final evaluation, then the replay service.
 
-The learner's port is part of the run's configuration: picked here when
+The service's port is part of the run's configuration: picked here when
 `run.port` is 0 and written to config.json, so `--resume` listens where the
 remote actors already look (and fails clearly when something else holds it).
 """
@@ -32,7 +36,7 @@ from actorq_jax.launch.checkpoint import read_counters
 from actorq_jax.launch.config import RunConfig, save_config
 from actorq_jax.launch.placement import Placement, WorkerProcess, make_placement
 
-LEARNER_START_TIMEOUT_S = 300.0
+START_TIMEOUT_S = 300.0
 ACTOR_STOP_TIMEOUT_S = 20.0
 LEARNER_FINAL_TIMEOUT_S = 180.0
 EVALUATOR_FINAL_TIMEOUT_S = 600.0
@@ -132,8 +136,8 @@ class Launcher:
         (self.results_dir / "logs").mkdir(parents=True, exist_ok=True)
         (self.results_dir / "status").mkdir(exist_ok=True)
         (self.results_dir / "actors").mkdir(exist_ok=True)
-        for stale in ("learner.json", "learner.release.json", "launcher.json"):
-            runtime.status_file(self.results_dir, stale.rsplit(".json", 1)[0]).unlink(missing_ok=True)
+        for stale in ("replay", "learner", "launcher"):
+            runtime.status_file(self.results_dir, stale).unlink(missing_ok=True)
         if run.port == 0:
             run = self.run = dataclasses.replace(run, port=free_port())
         save_config(self.results_dir / "config.json", run, self.agent_config)
@@ -145,33 +149,21 @@ class Launcher:
         energy = self.placement.energy_meter(run.country)
         energy.start()
         start = time.monotonic()
+        replay = Worker("replay", "replay", [], 1)
         learner = Worker("learner", "learner", [], run.learner_threads)
-        self.workers.append(learner)
+        self.workers.extend([replay, learner])
         exit_code = 0
         try:
             if port_in_use(run.port):
-                raise PortTaken(f"port {run.port} (the learner's, from {self.results_dir / 'config.json'}) is taken "
-                                f"by another process; stop it, or start a new run")
-            self._start(learner)
-            address = self._wait_for_learner(learner)
-            if address is None:
-                exit_code = 1
-            else:
-                self._say(f"learner up; remote actors join with: python -m actorq_jax.launch.actor --server {address}")
-                server = self.placement.learner_server(runtime.read_status(self.results_dir, "learner"))
-                for i in range(run.num_actors):
-                    args = ["--actor_id", str(i), "--server", server]
-                    self.workers.append(Worker(f"actor_{i}", "actor", args, run.actor_threads))
-                self.workers.append(Worker("evaluator", "evaluator", ["--server", server], run.actor_threads))
-                for w in self.workers[1:]:
-                    self._start(w)
-                with ProgressLine(self.stream) as progress:
-                    exit_code = self._watch(learner, progress, start)
+                raise PortTaken(f"port {run.port} (the replay service's, from {self.results_dir / 'config.json'}) is "
+                                f"taken by another process; stop it, or start a new run")
+            exit_code = self._start_run(replay, learner, progress_factory=lambda: ProgressLine(self.stream),
+                                        start=start)
         except PortTaken as error:
-            self._say(f"cannot start the learner: {error}")
+            self._say(f"cannot start the replay service: {error}")
             exit_code = 1
         finally:
-            self._shutdown(learner)
+            self._shutdown(replay, learner)
             if exit_code == 0 and learner.process is not None and learner.process.returncode not in (0, None):
                 self._say(f"learner exited with code {learner.process.returncode} at shutdown:\n{self._log_tail(learner)}")
                 exit_code = 1
@@ -184,46 +176,60 @@ class Launcher:
         write_json(self.results_dir / "summary.json", summary)
         return summary
 
-    def _wait_for_learner(self, learner: Worker) -> Optional[str]:
-        deadline = time.monotonic() + LEARNER_START_TIMEOUT_S
+    def _start_run(self, replay: Worker, learner: Worker, progress_factory: Any, start: float) -> int:
+        """Starts the service, the learner, then actors and evaluator; watches them; the run's exit code."""
+        run = self.run
+        self._start(replay)
+        if self._wait_for(replay, "address") is None:
+            return 1
+        server = self.placement.service_address(runtime.read_status(self.results_dir, "replay"))
+        self._say(f"replay service up; remote actors join with: python -m actorq_jax.launch.actor --server {server}")
+        learner.args = ["--server", server]
+        self._start(learner)
+        if self._wait_for(learner, "phase") is None:
+            return 1
+        for i in range(run.num_actors):
+            self.workers.append(Worker(f"actor_{i}", "actor", ["--actor_id", str(i), "--server", server],
+                                       run.actor_threads))
+        self.workers.append(Worker("evaluator", "evaluator", ["--server", server], run.actor_threads))
+        for w in self.workers[2:]:
+            self._start(w)
+        with progress_factory() as progress:
+            return self._watch(replay, learner, progress, start)
+
+    def _wait_for(self, worker: Worker, key: str) -> Optional[Any]:
+        """Waits until `worker` (this incarnation) reports `key`; its value, or None if it died or timed out."""
+        deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline and not self.stop.is_set():
-            status = runtime.read_status(self.results_dir, "learner")
-            if status.get("address") and status.get("pid") == learner.process.pid:
-                return status["address"]
-            if learner.process.poll() is not None:
-                self._say(f"learner exited with code {learner.process.returncode} before starting:\n{self._log_tail(learner)}")
+            status = runtime.read_status(self.results_dir, worker.role)
+            if status.get(key) and status.get("pid") == worker.process.pid:
+                return status[key]
+            if worker.process.poll() is not None:
+                self._say(f"{worker.name} exited with code {worker.process.returncode} before starting:\n"
+                          f"{self._log_tail(worker)}")
                 return None
             time.sleep(0.2)
         if not self.stop.is_set():
-            self._say(f"learner did not start within {LEARNER_START_TIMEOUT_S:.0f} s:\n{self._log_tail(learner)}")
+            self._say(f"{worker.name} did not start within {START_TIMEOUT_S:.0f} s:\n{self._log_tail(worker)}")
         return None
 
-    def _watch(self, learner: Worker, progress: Any, start: float) -> int:
+    def _watch(self, replay: Worker, learner: Worker, progress: Any, start: float) -> int:
         run = self.run
         last_steps, last_time = 0, time.monotonic()
         rate = 0.0
         seen_steps, seen_at = -1, time.monotonic()
         actors = [w for w in self.workers if w.role == "actor"]
         while not self.stop.wait(0.25):
-            if learner.process.poll() is not None and not self._restart_learner(learner):
+            if replay.process.poll() is not None and not self._restart(replay, run.max_replay_restarts, "address"):
+                return 1
+            if learner.process.poll() is not None and not self._restart(learner, run.max_learner_restarts, "phase"):
                 return 1
             status = runtime.read_status(self.results_dir, "learner")
-            if status.get("phase") in ("final", "done"):
+            if status.get("phase") == "done":
                 self._say("learner reached its step budget")
                 return 0
-            for w in self.workers[1:]:
-                if w.gave_up or w.process.poll() is None:
-                    continue
-                code = w.process.returncode
-                if w.restarts < run.max_actor_restarts:
-                    w.restarts += 1
-                    self._say(f"{w.name} died (exit code {code}); restart {w.restarts}/{run.max_actor_restarts}")
-                    self._start(w)
-                else:
-                    w.gave_up = True
-                    self._say(f"{w.name} died (exit code {code}) after {w.restarts} restarts; "
-                              f"the run goes on without it:\n{self._log_tail(w)}")
-            env_steps = int(status.get("env_steps", 0))
+            self._restart_actors()
+            env_steps = int(runtime.read_status(self.results_dir, "replay").get("env_steps", 0))
             learner_steps = int(status.get("learner_steps", 0))
             elapsed = time.monotonic() - start
             now = time.monotonic()
@@ -251,23 +257,45 @@ class Launcher:
         self._say("stop requested; shutting down")
         return 0
 
-    def _restart_learner(self, learner: Worker) -> bool:
-        """Restarts a dead learner from its last checkpoint; False when the budget is spent or it fails."""
-        code = learner.process.returncode
-        budget = self.run.max_learner_restarts
-        if learner.restarts >= budget:
-            self._say(f"learner died (exit code {code}) after {learner.restarts} restarts; "
-                      f"stopping the run:\n{self._log_tail(learner)}")
+    def _restart_actors(self) -> None:
+        """Restarts dead actors and the evaluator within their budget; gives up on those past it."""
+        run = self.run
+        for w in self.workers:
+            if w.role not in ("actor", "evaluator") or w.gave_up or w.process.poll() is None:
+                continue
+            code = w.process.returncode
+            if w.restarts < run.max_actor_restarts:
+                w.restarts += 1
+                self._say(f"{w.name} died (exit code {code}); restart {w.restarts}/{run.max_actor_restarts}")
+                self._start(w)
+            else:
+                w.gave_up = True
+                self._say(f"{w.name} died (exit code {code}) after {w.restarts} restarts; "
+                          f"the run goes on without it:\n{self._log_tail(w)}")
+
+    def _restart(self, worker: Worker, budget: int, ready_key: str) -> bool:
+        """Restarts a dead learner or replay service from its last checkpoint; False when the budget is spent or
+        it fails."""
+        code = worker.process.returncode
+        if worker.restarts >= budget:
+            self._say(f"{worker.name} died (exit code {code}) after {worker.restarts} restarts; "
+                      f"stopping the run:\n{self._log_tail(worker)}")
             return False
-        learner.restarts += 1
+        worker.restarts += 1
         counters = read_counters(self.results_dir / "checkpoints") or {}
-        self._say(f"learner died (exit code {code}); restart {learner.restarts}/{budget} from the checkpoint at "
-                  f"learner step {counters.get('learner_steps', 0)} on port {self.run.port}")
-        self._start(learner)
-        if self._wait_for_learner(learner) is None:
+        what = (f"replay checkpoint {counters.get('replay_checkpoint')}" if worker.role == "replay"
+                else f"the checkpoint at learner step {counters.get('learner_steps', 0)}")
+        self._say(f"{worker.name} died (exit code {code}); restart {worker.restarts}/{budget} from {what}"
+                  + (f" on port {self.run.port}" if worker.role == "replay" else ""))
+        self._start(worker)
+        if self._wait_for(worker, ready_key) is None:
             return self.stop.is_set()  # a stop request during the restart is an ordinary stop
-        restored = runtime.read_status(self.results_dir, "learner").get("restored", {})
-        self._say(f"learner back at step {restored.get('learner_steps', 0)} with {restored.get('items', 0)} replay items")
+        restored = runtime.read_status(self.results_dir, worker.role).get("restored", {})
+        if worker.role == "replay":
+            self._say(f"replay service back on port {self.run.port} with {restored.get('items', 0)} replay items")
+        else:
+            self._say(f"learner back at step {restored.get('learner_steps', 0)} with {restored.get('items', 0)} "
+                      f"replay items in the live table")
         return True
 
     def _last_eval(self) -> str:
@@ -275,22 +303,12 @@ class Launcher:
         rows = [r for r in rows if r.get("policy") == "fp32"]
         return f"{float(rows[-1]['return']):.1f}" if rows else "-"
 
-    def _shutdown(self, learner: Worker) -> None:
-        actors = [w for w in self.workers if w.role == "actor"]
-        evaluators = [w for w in self.workers if w.role == "evaluator"]
-        self._terminate(actors, ACTOR_STOP_TIMEOUT_S)
-        if learner.process is not None and learner.process.poll() is None:
-            learner.process.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + LEARNER_FINAL_TIMEOUT_S
-            while time.monotonic() < deadline and learner.process.poll() is None:
-                if runtime.read_status(self.results_dir, "learner").get("phase") in ("final", "done"):
-                    break
-                time.sleep(0.2)
-        self._terminate(evaluators, EVALUATOR_FINAL_TIMEOUT_S)
-        from actorq_jax.telemetry import write_json
-
-        write_json(runtime.status_file(self.results_dir, "learner.release"), {"released": True})
+    def _shutdown(self, replay: Worker, learner: Worker) -> None:
+        self._terminate([w for w in self.workers if w.role == "actor"], ACTOR_STOP_TIMEOUT_S)
+        # The learner's final checkpoint and publication go through the service, which is still up.
         self._terminate([learner], LEARNER_FINAL_TIMEOUT_S)
+        self._terminate([w for w in self.workers if w.role == "evaluator"], EVALUATOR_FINAL_TIMEOUT_S)
+        self._terminate([replay], ACTOR_STOP_TIMEOUT_S)
 
     # -- results --------------------------------------------------------------------
 
@@ -357,7 +375,8 @@ class Launcher:
                     totals[phase] += float(row.get(f"{phase}_s") or 0.0)
         summary["actor_episodes"] = episodes
         summary["actor_time_s"] = totals
-        summary["learner_restarts"] = next((w.restarts for w in self.workers if w.role == "learner"), 0)
+        for role in ("learner", "replay"):
+            summary[f"{role}_restarts"] = next((w.restarts for w in self.workers if w.role == role), 0)
         return summary
 
 

@@ -1,19 +1,25 @@
-"""The learner process: owns the Reverb server, trains, publishes variables, checkpoints.
+"""The learner process: a client of the replay service that trains, publishes variables and checkpoints.
 
-A checkpoint holds the learner state, its counters and the replay tables (a
-Reverb checkpoint named in the counters), so a learner started with
-`run.resume` (a `--resume`, or the launcher restarting a dead learner) continues
-from the last checkpoint with the buffer it had then, on the same port.
+The run's Reverb server lives in the replay service (launch/replay_service.py),
+so a learner that dies takes no replay with it: the launcher restarts it from its
+last checkpoint (state and counters) and it goes on sampling the same live table.
+A checkpoint is a pair: the service writes the tables as `step_N` on the
+learner's request, then the learner saves its state naming that replay
+checkpoint, so a service restarted from it (or a `--resume` of the whole run)
+restores a replay buffer that matches the learner's state.
+
+Every call to the service is bounded: a service that stops answering (killed and
+being restarted on the same port) is waited for, up to `server_timeout_s`, and
+the learner then carries on where it was; past that it exits non-zero.
 """
 
 import csv
 import logging
 import os
-import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Dict, Optional
 
 import jax
 import numpy as np
@@ -21,18 +27,17 @@ import reverb
 
 from actorq_jax.environments import environment_spec, make_environment
 from actorq_jax.launch import runtime
-from actorq_jax.launch.actor_rows import RowDrain
 from actorq_jax.launch.checkpoint import Checkpointer
 from actorq_jax.launch.config import RunConfig
+from actorq_jax.launch.replay_service import ServiceClient, ServiceError
 from actorq_jax.quantization import QuantConfig
 from actorq_jax.replay import (
     ReplayDataset,
-    ReplayServer,
     VariablePublisher,
     update_priorities,
 )
 from actorq_jax.replay.background import BackgroundPublisher, PublishTotals
-from actorq_jax.replay.server import prune_checkpoints
+from actorq_jax.replay.server import wait_for_server
 from actorq_jax.telemetry import CsvLogger, write_json
 
 log = logging.getLogger(__name__)
@@ -40,19 +45,24 @@ log = logging.getLogger(__name__)
 LOG_EVERY_STEPS = 100
 # How long the dataset waits on the rate limiter before the loop rechecks its stop flag.
 SAMPLE_TIMEOUT_MS = 1000
-# How long a learner whose launcher lives keeps its server up for the evaluator's final fetch.
-EVALUATOR_GRACE_S = 300.0
 # How long the final hand-over waits for the background publisher to send the last version.
 FINAL_PUBLISH_TIMEOUT_S = 120.0
 REPORT_EVERY_S = 1.0
+# What a call to a replay service that went away raises (the dataset's TensorFlow errors included).
+SERVICE_ERRORS = (reverb.DeadlineExceededError, RuntimeError, ConnectionError, ServiceError)
+
+
+class ServiceGone(RuntimeError):
+    """The replay service stayed unreachable for longer than the learner's server timeout."""
 
 
 class Learner:
     """Pulls batches from replay, applies the agent's pure `sgd_step`, publishes and checkpoints."""
 
-    def __init__(self, builder: Any, run: RunConfig, results_dir: Path):
+    def __init__(self, builder: Any, run: RunConfig, results_dir: Path, address: str):
         self.builder = builder
         self.run = run
+        self.address = address
         self.replay_table = builder.replay_config().name
         self.state = builder.init_state(jax.random.PRNGKey(run.seed))
         self.checkpointer = Checkpointer(results_dir / "checkpoints")
@@ -61,12 +71,8 @@ class Learner:
             restored = self.checkpointer.restore(self.state)
             if restored is not None:
                 self.state, counters = restored
-        self.server = _start_server(builder, run, results_dir / "replay_checkpoints", counters.get("replay_checkpoint"))
-        self.client = self.server.client()
-        # Remote actors' episode rows, into actors/ as the launcher's actors write theirs. Rows a restored
-        # table holds were drained before the crash (each checkpoint drains first): written already.
-        self.rows = RowDrain(self.client, results_dir / "actors", run.num_actors)
-        self.rows.discard()
+        self.client = wait_for_server(address, run.server_timeout_s)
+        self.service = ServiceClient(self.client, run.server_timeout_s)
         # Prioritized replay inserts new items at the largest priority written back so far.
         self.max_priority = float(counters.get("max_priority", 1.0))
         wire = QuantConfig(bits=run.wire_bits, granularity=run.granularity)
@@ -77,32 +83,42 @@ class Learner:
         ])
         self.last_publish = time.monotonic()
         self._dataset: Optional[ReplayDataset] = None
-        info = self.client.server_info(timeout=30)[self.replay_table]
-        self.restored = {"checkpoint": counters.get("replay_checkpoint"), "items": int(info.current_size),
-                         "learner_steps": self.steps, "env_steps": int(counters.get("env_steps", 0))}
-        # env steps = the checkpoint's count + inserts since this server started (a restored
-        # table restores its insert count too).
-        self._env_steps_base = int(counters.get("env_steps", 0)) - int(info.rate_limiter_info.insert_stats.completed)
         self._env_steps_cache = (0.0, int(counters.get("env_steps", 0)))
+        self.restored = {"checkpoint": counters.get("replay_checkpoint"), "items": self.items(),
+                         "learner_steps": self.steps, "env_steps": int(counters.get("env_steps", 0))}
 
     @property
     def steps(self) -> int:
         """SGD steps taken so far (continues across resumes)."""
         return int(self.state.steps)
 
+    def items(self) -> int:
+        """Items in the replay table now."""
+        return int(self.client.server_info(timeout=30)[self.replay_table].current_size)
+
     def env_steps(self, max_age_s: float = 0.5) -> int:
-        """Transitions inserted into replay (one per actor env step), counted by the server."""
+        """Transitions inserted into replay (one per actor env step), counted by the service's table."""
         now = time.monotonic()
         if now - self._env_steps_cache[0] > max_age_s:
             try:
                 info = self.client.server_info(timeout=5)[self.replay_table]
-            except reverb.DeadlineExceededError:
-                # A starved machine can miss the deadline; the last count is a fine answer for a report.
-                log.warning("replay server_info timed out; reporting the last env-step count")
+            except SERVICE_ERRORS as error:
+                # A starved or restarting service: the last count is a fine answer for a report.
+                log.warning("replay server_info failed (%s); reporting the last env-step count", error)
                 return self._env_steps_cache[1]
-            inserted = int(info.rate_limiter_info.insert_stats.completed)
-            self._env_steps_cache = (now, self._env_steps_base + inserted)
+            # A table restored from a checkpoint restores its insert count too.
+            self._env_steps_cache = (now, int(info.rate_limiter_info.insert_stats.completed))
         return self._env_steps_cache[1]
+
+    def wait_for_service(self) -> None:
+        """Waits for a service that stopped answering to come back; ServiceGone past the server timeout."""
+        self._dataset = None  # its stream went with the old server
+        try:
+            wait_for_server(self.address, self.run.server_timeout_s)
+        except TimeoutError as error:
+            raise ServiceGone(f"replay service at {self.address} unreachable for {self.run.server_timeout_s:g} s "
+                              f"(server_timeout_s); the learner stops at step {self.steps}") from error
+        log.info("replay service at %s answers again; going on at step %d", self.address, self.steps)
 
     def publish(self, evaluation: bool = False) -> None:
         """Hands the actors' parameters (and, for evaluation, the float policy) to the background publisher."""
@@ -117,53 +133,64 @@ class Learner:
             return time.monotonic() - self.last_publish >= self.run.publish_period_s
         return self.steps % self.run.publish_period == 0
 
-    def checkpoint(self) -> None:
-        """Saves state, counters and the replay tables; keeps the replay checkpoints of kept states only."""
+    def checkpoint(self) -> bool:
+        """Has the service checkpoint replay, then saves state and counters naming it; whether it was saved."""
         if self.checkpointer.has(self.steps):
-            return
-        self.drain_rows()
-        replay = self.server.checkpoint(f"step_{self.steps}")
-        counters = {"env_steps": self.env_steps(max_age_s=0.0), "learner_steps": self.steps,
-                    "max_priority": self.max_priority, "replay_checkpoint": replay}
-        self.checkpointer.save(self.steps, self.state, counters)
-        prune_checkpoints(self.server.checkpoint_dir, [c.get("replay_checkpoint") for c in self.checkpointer.kept_counters()])
-
-    def drain_rows(self) -> None:
-        """Writes the remote actors' waiting episode rows to actors/ (a starved server is tried next time)."""
+            return True
+        name = f"step_{self.steps}"
         try:
-            self.rows.drain()
-        except reverb.DeadlineExceededError:
-            log.warning("actor_rows server_info timed out; remote actors' rows wait for the next drain")
+            # The service keeps the replay checkpoints of the states still kept, and this new one.
+            self.service.checkpoint(name, keep=[c.get("replay_checkpoint") for c in self.checkpointer.kept_counters()])
+        except SERVICE_ERRORS as error:
+            log.warning("no checkpoint at step %d: the replay service could not write one (%s)", self.steps, error)
+            return False
+        counters = {"env_steps": self.env_steps(max_age_s=0.0), "learner_steps": self.steps,
+                    "max_priority": self.max_priority, "replay_checkpoint": name}
+        self.checkpointer.save(self.steps, self.state, counters)
+        return True
 
     def step(self) -> Optional[Dict[str, Any]]:
         """One SGD step on a fresh batch; None when replay could not serve one in time."""
+        try:
+            batch = self._next_batch()
+        except SERVICE_ERRORS as error:
+            log.warning("sampling from the replay service failed: %s", error)
+            self.wait_for_service()
+            return None
+        if batch is None:
+            return None
+        self.state, metrics = self.builder.sgd_step(self.state, batch)
+        update = self.builder.priority_update(batch, metrics)
+        if update is not None:
+            try:
+                update_priorities(self.client, self.replay_table, update.keys, update.priorities)
+            except SERVICE_ERRORS as error:
+                # Those items went with a service that restarted from its checkpoint.
+                log.warning("priority update lost: %s", error)
+            self.max_priority = max(self.max_priority, float(np.max(update.priorities)))
+        return metrics
+
+    def _next_batch(self) -> Any:
+        """The next batch, or None when the rate limiter held the sampler past SAMPLE_TIMEOUT_MS."""
+        import tensorflow as tf
+
         if self._dataset is None:
             self._dataset = ReplayDataset(
-                self.server.address,
+                self.address,
                 self.replay_table,
                 self.builder.config.batch_size,
                 with_info=True,  # the agent contract's sgd_step takes a ReplayBatch
                 rate_limiter_timeout_ms=SAMPLE_TIMEOUT_MS,
             )
         try:
-            batch = next(self._dataset)
+            return next(self._dataset)
         except StopIteration:
             # The rate limiter held us back for a while: rebuild the iterator, let the caller check stop.
             self._dataset = None
             return None
-        self.state, metrics = self.builder.sgd_step(self.state, batch)
-        update = self.builder.priority_update(batch, metrics)
-        if update is not None:
-            update_priorities(self.client, self.replay_table, update.keys, update.priorities)
-            self.max_priority = max(self.max_priority, float(np.max(update.priorities)))
-        return metrics
+        except tf.errors.OpError as error:
+            raise ConnectionError(f"replay dataset: {error.message}") from None
 
-
-def _start_server(builder: Any, run: RunConfig, checkpoint_dir: Path, restore: Optional[str]) -> ReplayServer:
-    """The learner's Reverb server: replay, variables and config tables, restored from `restore` when given."""
-    host = run.advertise_host or socket.getfqdn()  # what other machines use to reach this server
-    return ReplayServer(runtime.learner_tables(builder), port=run.port or None, advertised_host=host,
-                        checkpoint_dir=checkpoint_dir, restore=restore)
 
 
 class LearnerLog:
@@ -229,18 +256,11 @@ def drop_rows_after(path: Path, step: int) -> None:
     os.replace(tmp, path)
 
 
-def run_learner(
-    run: RunConfig,
-    agent_config: Any,
-    config_json: str,
-    stop: threading.Event,
-    launcher_alive: Callable[[], bool] = lambda: True,
-) -> None:
-    """Learner main loop until `stop` or a learner-step budget; then final checkpoint and hand-over."""
+def run_learner(run: RunConfig, agent_config: Any, address: str, stop: threading.Event) -> None:
+    """Learner main loop against the replay service at `address` until `stop` or a learner-step budget."""
     results_dir = Path(run.results_dir)
     spec = environment_spec(make_environment(run.task, seed=run.seed))
-    learner = Learner(runtime.make_builder(run.agent, agent_config, spec), run, results_dir)
-    runtime.publish_config(learner.client, config_json)
+    learner = Learner(runtime.make_builder(run.agent, agent_config, spec), run, results_dir, address)
     drop_rows_after(results_dir / "learner.csv", learner.steps)
     start = time.monotonic()
     csv_log = LearnerLog(results_dir / "learner.csv", start, learner.steps)
@@ -252,10 +272,9 @@ def run_learner(
             metrics = learner.step()
             if metrics is not None:
                 _after_step(learner, csv_log, metrics)
-            if report.maybe("running"):
-                learner.drain_rows()
+            report.maybe("running")
     finally:
-        _hand_over(learner, csv_log, report, results_dir, launcher_alive)
+        _hand_over(learner, csv_log, report)
 
 
 def _after_step(learner: Learner, csv_log: LearnerLog, metrics: Dict[str, Any]) -> None:
@@ -272,7 +291,7 @@ def _after_step(learner: Learner, csv_log: LearnerLog, metrics: Dict[str, Any]) 
 
 
 class StatusReport:
-    """Writes status/learner.json for the launcher (address, phase, counters, the restore)."""
+    """Writes status/learner.json for the launcher (phase, counters, the restore)."""
 
     def __init__(self, learner: Learner, start: float, path: Path):
         self.learner = learner
@@ -285,8 +304,7 @@ class StatusReport:
         write_json(self.path, {
             "phase": phase,
             "pid": os.getpid(),
-            "address": learner.server.address,
-            "local_address": f"localhost:{learner.server.port}",
+            "address": learner.address,  # the replay service it samples
             "learner_steps": learner.steps,
             "env_steps": learner.env_steps(),
             "wall_seconds": time.monotonic() - self.start,
@@ -302,24 +320,12 @@ class StatusReport:
         return False
 
 
-def _hand_over(learner: Learner, csv_log: LearnerLog, report: StatusReport, results_dir: Path,
-               launcher_alive: Callable[[], bool]) -> None:
-    """Final publication for the evaluator, a checkpoint (replay included), flushed logs; then the server goes."""
+def _hand_over(learner: Learner, csv_log: LearnerLog, report: StatusReport) -> None:
+    """Final publication for the evaluator, a last checkpoint (replay included), flushed logs."""
     learner.publish(evaluation=True)
     if not learner.publisher.close(FINAL_PUBLISH_TIMEOUT_S):
         log.warning("the final version was not published within %.0f s", FINAL_PUBLISH_TIMEOUT_S)
-    learner.drain_rows()
     learner.checkpoint()
     learner.checkpointer.close()
     csv_log.close()
-    report("final")
-    # Keep the server up until the launcher says the evaluator has fetched the final policy;
-    # a launcher that is gone waits for nothing.
-    release = runtime.status_file(results_dir, "learner.release")
-    deadline = time.monotonic() + EVALUATOR_GRACE_S
-    while not release.exists() and launcher_alive() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    learner.drain_rows()  # what remote actors sent while the evaluator finished
-    learner.rows.close()
-    report("done")  # before the server goes: the report reads its insert count
-    learner.server.stop()
+    report("done")

@@ -1,6 +1,6 @@
 """Where the launcher's worker processes run: one interface, two backends.
 
-The launcher decides *what* runs (a learner, N actors, an evaluator), watches
+The launcher decides *what* runs (a replay service, a learner, N actors, an evaluator), watches
 them, restarts them and stops them in order; a placement decides *where* and
 *how* one worker process is started, polled, signalled and killed, where its
 files go, and how energy is measured. `LocalPlacement` starts subprocesses on
@@ -79,11 +79,11 @@ class Placement:
         """Prepares the backend (nothing for local subprocesses)."""
 
     def start(self, name: str, role: str, args: List[str]) -> WorkerProcess:
-        """Starts worker `name` (role learner/actor/evaluator) with worker flags `args`; logs to logs/<name>.log."""
+        """Starts worker `name` (role replay/learner/actor/evaluator) with worker flags `args`; logs to logs/<name>.log."""
         raise NotImplementedError
 
-    def learner_server(self, status: Dict[str, Any]) -> str:
-        """The Reverb address the run's actors and evaluator use, from the learner's status report."""
+    def service_address(self, status: Dict[str, Any]) -> str:
+        """The Reverb address the run's learner, actors and evaluator use, from the replay service's status report."""
         raise NotImplementedError
 
     def energy_meter(self, country: str) -> EnergyMeter:
@@ -112,8 +112,8 @@ class LocalPlacement(Placement):
             return subprocess.Popen(worker_command(role, os.getpid(), self.results_dir, args),
                                     stdout=log_file, stderr=subprocess.STDOUT, env=worker_env())
 
-    def learner_server(self, status: Dict[str, Any]) -> str:
-        """Local workers reach the learner on localhost."""
+    def service_address(self, status: Dict[str, Any]) -> str:
+        """Local workers reach the replay service on localhost."""
         return str(status["local_address"])
 
 

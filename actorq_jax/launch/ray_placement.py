@@ -1,24 +1,26 @@
 """`--launcher ray`: the run's workers placed on a Ray cluster's nodes, sharing only the network.
 
-Each worker (learner, actor, evaluator) is hosted by one Ray actor, a
-`WorkerHost`, placed with its role's resources (`--learner_resources`,
-`--actor_resources`; the evaluator goes with the learner's node). The host
+Each worker (replay service, learner, actor, evaluator) is hosted by one Ray
+actor, a `WorkerHost`, placed with its role's resources (`--replay_resources`,
+`--learner_resources`, `--actor_resources`; the evaluator goes with the replay
+service's node). The host
 runs the very command a local run starts, `python -m actorq_jax.launch.worker
 ROLE ...`, as its child, in a node-local scratch directory seeded with
 config.json. The driver (the launcher's process) mirrors the scratch files
 (status reports, actors/*.csv, eval.csv, learner.csv, logs/, finished learner
 and replay checkpoints) into the real results directory through Ray calls,
 reading each file from the offset it already has, and pushes the reports the
-workers read (the launcher's start time, the learner's status, the learner's
-release) the other way; a new learner host (a resumed run, a lost node) is
-seeded with the mirrored checkpoints. A hand-started remote actor's rows reach the learner over its
-Reverb server and are written by it (launch/actor_rows.py), so they come with the learner's files.
+workers read (the launcher's start time, the learner's status) the other way;
+a new learner or replay host (a resumed run, a lost node) is seeded with the
+mirrored checkpoints. A hand-started remote actor's rows reach the replay
+service over its Reverb server and are written by it (launch/actor_rows.py), so
+they come with the service's files.
 So the launcher's watch, restart and shutdown logic, and the role
 functions, work on the results directory exactly as under `--launcher local`.
 
 Restarts are the launcher's, as locally: a host whose node disappears reads
 as a worker that died, and the launcher starts it again (within
---max_actor_restarts / --max_learner_restarts) through a new host, which Ray
+--max_actor_restarts / --max_learner_restarts / --max_replay_restarts) through a new host, which Ray
 places on a node that remains. Ray's own max_restarts is left at 0 so that
 one budget counts every restart.
 
@@ -62,7 +64,7 @@ CHECKPOINT_TREES = {"checkpoints": "counters/metadata", "replay_checkpoints": "D
 RESOURCE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:/-]*$")
 LOST_NODE_EXIT = -int(signal.SIGKILL)
 
-DEFAULTS = {"launcher": "local", "ray_address": "", "learner_resources": "", "actor_resources": "",
+DEFAULTS = {"launcher": "local", "ray_address": "", "learner_resources": "", "replay_resources": "", "actor_resources": "",
             "advertise_host": ""}
 
 
@@ -200,13 +202,13 @@ def ray_flag_problems(run: Any) -> List[Tuple[str, str]]:
         return [("launcher", f"{launcher!r} not in {LAUNCHERS}")]
     problems: List[Tuple[str, str]] = []
     parsed: Dict[str, Dict[str, float]] = {}
-    for flag in ("learner_resources", "actor_resources"):
+    for flag in ("learner_resources", "replay_resources", "actor_resources"):
         try:
             parsed[flag] = parse_resources(setting(run, flag))
         except ValueError as error:
             problems.append((flag, str(error)))
     if launcher != "ray":
-        for flag in ("ray_address", "learner_resources", "actor_resources"):
+        for flag in ("ray_address", "learner_resources", "replay_resources", "actor_resources"):
             if setting(run, flag):
                 problems.append((flag, "needs --launcher ray"))
         return problems
@@ -221,7 +223,11 @@ def ray_flag_problems(run: Any) -> List[Tuple[str, str]]:
         nodes = cluster_node_resources(address) if address else local_node_resources()
     except Exception as error:  # noqa: BLE001 (whatever stops us joining, e.g. a token mismatch, is the flag's problem)
         return [("ray_address", f"cannot join the Ray cluster at {address}: {type(error).__name__}: {error}")]
-    return placement_problems(parsed["learner_resources"], parsed["actor_resources"], run.num_actors, nodes)
+    # The replay service is placed like a second learner: both must fit beside the actors.
+    learner = dict(parsed["learner_resources"])
+    for k, v in parsed["replay_resources"].items():
+        learner[k] = learner.get(k, 0.0) + v
+    return placement_problems(learner, parsed["actor_resources"], run.num_actors, nodes)
 
 
 # -- the Ray actors --------------------------------------------------------------------------
@@ -471,6 +477,7 @@ class RayPlacement(Placement):
     def __init__(self, run: Any, results_dir: Path):
         super().__init__(run, results_dir)
         self.learner_resources = parse_resources(setting(run, "learner_resources"))
+        self.replay_resources = parse_resources(setting(run, "replay_resources"))
         self.actor_resources = parse_resources(setting(run, "actor_resources"))
         self.hosts: Dict[str, _Host] = {}
         self.incarnations: Dict[str, int] = {}
@@ -542,14 +549,15 @@ class RayPlacement(Placement):
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         if role == "evaluator":
-            # Beside the learner: it reads the learner's reports and samples its server.
-            learner = self.hosts.get("learner")
-            node = learner.where["node_id"] if learner and learner.where else None
+            # Beside the replay service: it fetches every published policy from its server.
+            service = self.hosts.get("replay")
+            node = service.where["node_id"] if service and service.where else None
             options: Dict[str, Any] = {"num_cpus": 0}
             if node:
                 options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
         else:
-            resources = self.learner_resources if role == "learner" else self.actor_resources
+            resources = {"learner": self.learner_resources, "replay": self.replay_resources}.get(role,
+                                                                                                self.actor_resources)
             options = actor_options(resources)
             if role == "actor" and not resources:
                 # Nothing reserved (as local processes, they may oversubscribe): spread them over the nodes.
@@ -557,8 +565,8 @@ class RayPlacement(Placement):
         incarnation = self.incarnations.get(name, -1) + 1
         self.incarnations[name] = incarnation
         files = {"config.json": (self.results_dir / "config.json").read_bytes()}
-        if role == "learner":
-            # A resumed run, or a learner whose node was lost, restores from the mirrored checkpoints.
+        if role in ("learner", "replay"):
+            # A resumed run, or a learner or service whose node was lost, restores from the mirrored checkpoints.
             files.update(self._checkpoint_files())
         actor = ray.remote(WorkerHost).options(max_restarts=0, max_task_retries=0, **options).remote(name, files)
         host = _Host(name, role, actor, incarnation)
@@ -581,13 +589,12 @@ class RayPlacement(Placement):
                         files[path.relative_to(self.results_dir).as_posix()] = path.read_bytes()
         return files
 
-    def learner_server(self, status: Dict[str, Any]) -> str:
-        """HOST:PORT of the learner's server as the other nodes reach it: --advertise_host, else its node's IP."""
+    def service_address(self, status: Dict[str, Any]) -> str:
+        """HOST:PORT of the replay service as the other nodes reach it: --advertise_host, else its node's IP."""
         port = str(status["local_address"]).rpartition(":")[2]
         host = setting(self.run, "advertise_host")
         if not host:
-            learner = self.hosts["learner"]
-            host = learner.where["ip"]
+            host = self.hosts["replay"].where["ip"]
         return f"{host}:{port}"
 
     def energy_meter(self, country: str) -> "RayEnergyMeter":

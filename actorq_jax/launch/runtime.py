@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
-# Tables on the learner's Reverb server besides the replay table.
+# Tables on the replay service's Reverb server besides the replay table.
 VARIABLES_TABLE = "variables"  # the actors' policy at comm_bits, refreshed every publish_period
 EVAL_VARIABLES_TABLE = "eval_variables"  # the float32 policy, refreshed every eval_period
 CONFIG_TABLE = "config"  # config.json as uint8, so remote actors run the same configuration
@@ -64,9 +64,22 @@ def cpu_list_problem(text: str) -> Optional[str]:
 
 
 def role_cpus(role: str, run: Any) -> Tuple[int, ...]:
-    """The cores a role is pinned to: --learner_cpus for the learner, --actor_cpus for actors and the evaluator."""
-    text = run.learner_cpus if role == "learner" else run.actor_cpus
-    return parse_cpu_list(text) if text else ()
+    """The cores a role is pinned to: its --*_cpus flag, else what --layout gives it (() for every core).
+
+    --learner_cpus pins the learner, --replay_cpus the replay service, --actor_cpus the actors and the
+    evaluator. --layout pinned gives the learner the first core this process may use and every other
+    role the rest, as the paper's learner had a device of its own.
+    """
+    flag = {"learner": "learner_cpus", "replay": "replay_cpus"}.get(role, "actor_cpus")
+    text = getattr(run, flag, "")
+    if text:
+        return parse_cpu_list(text)
+    if getattr(run, "layout", "shared") == "pinned":
+        available = sorted(os.sched_getaffinity(0))
+        if len(available) < 2:
+            return ()  # one core: nothing to separate (the flags refuse this before a run starts)
+        return (available[0],) if role == "learner" else tuple(available[1:])
+    return ()
 
 
 def apply_cpu_affinity(role: str, run: Any) -> Tuple[int, ...]:
@@ -161,8 +174,8 @@ def make_builder(agent: str, config: Any, spec: Any) -> Any:
     return get_agent(agent).make_builder(config, spec)
 
 
-def learner_tables(builder: Any, replay: Any = None) -> list:
-    """The tables of a learner's Reverb server: replay (the builder's, unless given), variables, eval variables,
+def service_tables(builder: Any, replay: Any = None) -> list:
+    """The data tables of a run's Reverb server: replay (the builder's, unless given), variables, eval variables,
     config, and the remote actors' episode rows."""
     import numpy as np
 
@@ -180,7 +193,7 @@ def learner_tables(builder: Any, replay: Any = None) -> list:
 
 
 def publish_config(client: Any, config_json: str) -> None:
-    """Puts config.json on the learner's server, where remote actors read it."""
+    """Puts config.json on the run's server, where remote actors read it."""
     import numpy as np
 
     client.insert([np.frombuffer(config_json.encode(), np.uint8)], {CONFIG_TABLE: 1.0})

@@ -23,16 +23,18 @@ from actorq_jax.launch import runtime
 # How long a worker whose launcher is gone may still take to finish (the evaluator's final
 # evaluation otherwise gets 600 s).
 ORPHAN_GRACE_S = 10.0
+ROLES = ("replay", "learner", "actor", "evaluator")
 
 
 def main(argv: Optional[list] = None) -> int:
-    """Runs one learner, actor or evaluator of the run in --results_dir."""
+    """Runs one replay service, learner, actor or evaluator of the run in --results_dir."""
     parser = argparse.ArgumentParser(description="One worker process of an ActorQ run (started by the launcher).")
-    parser.add_argument("role", choices=("learner", "actor", "evaluator"))
+    parser.add_argument("role", choices=ROLES)
     parser.add_argument("--results_dir", required=True)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--actor_id", type=int, default=0)
-    parser.add_argument("--restart", type=int, default=0, help="restarts of this slot (a learner restarts from its checkpoint)")
+    parser.add_argument("--restart", type=int, default=0,
+                        help="restarts of this slot (a learner or replay service restarts from its checkpoint)")
     parser.add_argument("--server", default=None)
     parser.add_argument("--parent_pid", type=int, default=0, help="the launcher's pid (0: whoever started us)")
     args = parser.parse_args(argv)
@@ -52,13 +54,19 @@ def main(argv: Optional[list] = None) -> int:
     config_json = (results_dir / "config.json").read_text()
     run, agent_config = config_from_json(config_json)
     runtime.apply_cpu_affinity(args.role, run)
+    if args.restart and args.role in ("replay", "learner"):
+        run = dataclasses.replace(run, resume=True)  # a restarted learner or service continues from its checkpoint
+    if args.role == "replay":
+        from actorq_jax.launch.replay_service import run_replay_service
+
+        # The service loop only polls and answers: run it on the main thread.
+        run_replay_service(run, agent_config, config_json, stop)
+        return 0
     if args.role == "learner":
         from actorq_jax.launch.learner import run_learner
 
-        if args.restart:
-            run = dataclasses.replace(run, resume=True)  # a restarted learner continues from its checkpoint
-        # The learner never blocks for long (sampling has a timeout): run it on the main thread.
-        run_learner(run, agent_config, config_json, stop, launcher_alive=launcher_alive)
+        # The learner never blocks for long (every service call is bounded): run it on the main thread.
+        run_learner(run, agent_config, args.server, stop)
         return 0
     if args.role == "actor":
         from actorq_jax.launch.actor import run_actor

@@ -1,0 +1,224 @@
+"""The replay service: the run's Reverb server as a process of its own.
+
+As in the paper's topology, one process owns the run's Reverb server (the replay
+table, the variables tables the learner publishes into, the config table remote
+actors read, the remote actors' episode rows, which it writes into actors/) and the learner is one client of it
+among the actors and the evaluator. The learner can then be killed, restarted or
+placed on an accelerator node without taking replay with it, and the server gets
+cores the learner's SGD does not need (`--layout pinned`).
+
+Checkpoints of the tables are written by the service, on the learner's request
+(`ServiceClient.checkpoint`, a JSON message through a control table): the learner
+drains the actors' rows, asks for `step_N`, then saves its own state naming that
+replay checkpoint. A service that starts with `resume` (a `--resume`, or the
+launcher restarting a dead service on the same port) loads the replay checkpoint
+named by the learner's newest checkpoint, so learner state and replay stay a
+consistent pair; the learner and actors reconnect to it on their own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from actorq_jax.launch import runtime
+from actorq_jax.launch.checkpoint import read_counters
+
+log = logging.getLogger(__name__)
+
+REQUESTS_TABLE = "service_requests"
+REPLIES_TABLE = "service_replies"
+REPORT_EVERY_S = 0.5
+POLL_S = 0.05
+# After a stop request, how long the service stays up for a learner still finishing its last checkpoint
+# (the launcher stops the learner first; a killed launcher signals every worker at once).
+LEARNER_FINAL_GRACE_S = 60.0
+
+
+class ServiceError(RuntimeError):
+    """The replay service refused a request, or did not answer it in time."""
+
+
+def control_tables() -> List[Any]:
+    """The service's control tables: requests to it, and its replies."""
+    from actorq_jax.replay.messages import make_message_table
+
+    return [make_message_table(REQUESTS_TABLE), make_message_table(REPLIES_TABLE)]
+
+
+def restore_point(results_dir: Path) -> Optional[str]:
+    """The replay checkpoint named by the learner's newest checkpoint (None when there is none)."""
+    counters = read_counters(Path(results_dir) / "checkpoints") or {}
+    name = counters.get("replay_checkpoint")
+    if name and (Path(results_dir) / "replay_checkpoints" / name / "DONE").exists():
+        return str(name)
+    return None
+
+
+class ServiceClient:
+    """A worker's handle on the replay service's control requests."""
+
+    def __init__(self, client: Any, timeout_s: float):
+        self._client = client
+        self.timeout_s = float(timeout_s)
+
+    def checkpoint(self, name: str, keep: Sequence[str]) -> Dict[str, Any]:
+        """Has the service write its tables to replay checkpoint `name` and delete those not in `keep`; its reply."""
+        return self.request({"op": "checkpoint", "name": name, "keep": [k for k in keep if k]})
+
+    def request(self, message: Dict[str, Any]) -> Dict[str, Any]:
+        """Sends one request and waits for its reply; ServiceError on a refusal or past the timeout."""
+        from actorq_jax.replay.messages import send_message, take_messages
+
+        request_id = uuid.uuid4().hex
+        send_message(self._client, REQUESTS_TABLE, {**message, "id": request_id}, self.timeout_s)
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            # Replies to requests of an earlier learner process (killed while waiting) are skipped.
+            for reply in take_messages(self._client, REPLIES_TABLE):
+                if reply.get("id") == request_id:
+                    if reply.get("error"):
+                        raise ServiceError(f"replay service refused {message.get('op')!r}: {reply['error']}")
+                    return reply
+            time.sleep(POLL_S)
+        raise ServiceError(f"replay service did not answer {message.get('op')!r} within {self.timeout_s:g} s")
+
+
+class ReplayService:
+    """The Reverb server of a run and the loop that answers its control requests."""
+
+    def __init__(self, builder: Any, run: Any, results_dir: Path, config_json: str, resume: bool):
+        from actorq_jax.launch.actor_rows import ACTOR_ROWS_TABLE, RowDrain
+        from actorq_jax.replay import ReplayServer
+
+        self.run = run
+        self.results_dir = Path(results_dir)
+        self.replay_table = builder.replay_config().name
+        restore = restore_point(self.results_dir) if resume else None
+        host = run.advertise_host or socket.getfqdn()  # what other machines use to reach this server
+        self.server = ReplayServer(runtime.service_tables(builder) + control_tables(), port=run.port or None,
+                                   advertised_host=host, checkpoint_dir=self.results_dir / "replay_checkpoints",
+                                   restore=restore)
+        self.client = self.server.client()
+        # Rows and requests a restored table holds were answered before the crash (each checkpoint drains
+        # the rows first, and a request is answered after its checkpoint is written).
+        for table in (ACTOR_ROWS_TABLE, REQUESTS_TABLE, REPLIES_TABLE):
+            self.client.reset(table)
+        runtime.publish_config(self.client, config_json)
+        # Remote actors' episode rows, into actors/ as the launcher's actors write theirs.
+        self.rows = RowDrain(self.client, self.results_dir / "actors", run.num_actors)
+        self.restored = {"checkpoint": restore, "items": self.items()}
+        self.checkpoints = 0
+
+    def items(self) -> int:
+        """Items in the replay table now."""
+        return int(self.client.server_info(timeout=30)[self.replay_table].current_size)
+
+    def env_steps(self) -> int:
+        """Transitions inserted into replay (a restored table restores its insert count)."""
+        info = self.client.server_info(timeout=5)[self.replay_table]
+        return int(info.rate_limiter_info.insert_stats.completed)
+
+    def answer_requests(self) -> int:
+        """Answers every waiting control request; how many."""
+        from actorq_jax.replay.messages import send_message, take_messages
+
+        answered = 0
+        for request in take_messages(self.client, REQUESTS_TABLE):
+            send_message(self.client, REPLIES_TABLE, self._answer(request), timeout_s=30.0)
+            answered += 1
+        return answered
+
+    def _answer(self, request: Dict[str, Any]) -> Dict[str, Any]:
+        from actorq_jax.replay.server import prune_checkpoints
+
+        reply: Dict[str, Any] = {"id": request.get("id")}
+        if request.get("op") != "checkpoint":
+            return {**reply, "error": f"unknown request {request.get('op')!r}"}
+        # Rows in a checkpoint are reset on restore: write the waiting ones first.
+        self.rows.drain()
+        try:
+            name = self.server.checkpoint(str(request.get("name")))
+        except (ValueError, OSError) as error:
+            return {**reply, "error": str(error)}
+        prune_checkpoints(self.server.checkpoint_dir, [name, *request.get("keep", [])])
+        self.checkpoints += 1
+        return {**reply, "name": name, "items": self.items()}
+
+    def report(self, phase: str) -> None:
+        """Writes status/replay.json for the launcher (address, counters, the restore)."""
+        from actorq_jax.telemetry import write_json
+
+        write_json(runtime.status_file(self.results_dir, "replay"), {
+            "phase": phase,
+            "pid": os.getpid(),
+            "address": self.server.address,
+            "local_address": f"localhost:{self.server.port}",
+            "env_steps": self.env_steps(),
+            "items": self.items(),
+            "checkpoints": self.checkpoints,
+            "restored": self.restored,
+        })
+
+    def stop(self) -> None:
+        """Writes the last waiting actor rows and stops the server."""
+        try:
+            self.rows.drain()
+        finally:
+            self.rows.close()
+            self.server.stop()
+
+
+def run_replay_service(run: Any, agent_config: Any, config_json: str, stop: threading.Event,
+                       resume: bool = False) -> None:
+    """Serves the run's tables and answers control requests until `stop`."""
+    import reverb
+
+    from actorq_jax.environments import environment_spec, make_environment
+
+    spec = environment_spec(make_environment(run.task, seed=run.seed))
+    service = ReplayService(runtime.make_builder(run.agent, agent_config, spec), run, Path(run.results_dir),
+                            config_json, resume=resume or run.resume)
+    log.info("replay service on %s (restored: %s)", service.server.address, service.restored)
+    last_report = 0.0
+    try:
+        while not stop.is_set():
+            try:
+                service.answer_requests()
+                if time.monotonic() - last_report >= REPORT_EVERY_S:
+                    service.rows.drain()
+                    service.report("running")
+                    last_report = time.monotonic()
+            except reverb.DeadlineExceededError:
+                # Its own server is starved of CPU: answer on the next pass.
+                log.warning("the replay server was slow to answer its own service loop")
+            stop.wait(POLL_S)
+        _serve_until_learner_done(service)
+        service.report("done")
+    finally:
+        service.stop()
+
+
+def _learner_running(results_dir: Path) -> bool:
+    """Whether this run's learner is still at work (its last report is not final, and its process lives)."""
+    import psutil
+
+    report = runtime.read_status(results_dir, "learner")
+    if not report or report.get("phase") == "done":
+        return False
+    # Only meaningful on the learner's own machine; elsewhere the grace period bounds the wait.
+    return bool(report.get("pid")) and psutil.pid_exists(int(report["pid"]))
+
+
+def _serve_until_learner_done(service: ReplayService) -> None:
+    """Answers requests until the learner has written its final checkpoint, or LEARNER_FINAL_GRACE_S passes."""
+    deadline = time.monotonic() + LEARNER_FINAL_GRACE_S
+    while _learner_running(service.results_dir) and time.monotonic() < deadline:
+        service.answer_requests()
+        time.sleep(POLL_S)

@@ -1,0 +1,70 @@
+"""Small JSON messages carried by Reverb queue tables (no pickle on the wire).
+
+A message table is a FIFO that hands each item out once: a sender inserts a
+JSON object as uint8 bytes, the one reader takes every waiting message in
+order. The replay service's control requests and their replies travel this
+way, so a worker on another machine reaches the service by the same road as
+its replay writes.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, List, Mapping
+
+import numpy as np
+import reverb
+
+# A message is a few hundred bytes; anything far larger is not one of ours.
+MAX_MESSAGE_BYTES = 65_536
+
+
+def make_message_table(name: str, max_size: int = 1_000) -> reverb.Table:
+    """A FIFO table whose items are read once, in order, by one reader."""
+    return reverb.Table(
+        name=name,
+        sampler=reverb.selectors.Fifo(),
+        remover=reverb.selectors.Fifo(),
+        max_size=max_size,
+        max_times_sampled=1,
+        rate_limiter=reverb.rate_limiters.MinSize(1))
+
+
+def encode_message(message: Mapping[str, Any]) -> np.ndarray:
+    """A JSON object as the uint8 array it travels as."""
+    return np.frombuffer(json.dumps(dict(message), allow_nan=True).encode(), np.uint8)
+
+
+def decode_message(data: Any, what: str = "message", max_bytes: int = MAX_MESSAGE_BYTES) -> Dict[str, Any]:
+    """The JSON object in `data` (uint8 bytes); ValueError saying what is wrong with it."""
+    array = np.asarray(data)
+    if array.dtype != np.uint8 or array.ndim != 1 or array.size > max_bytes:
+        raise ValueError(f"not an encoded {what} (dtype {array.dtype}, shape {array.shape})")
+    try:
+        message = json.loads(array.tobytes().decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"not JSON text ({error})") from None
+    if not isinstance(message, dict):
+        raise ValueError(f"not a JSON object but {type(message).__name__}")
+    return message
+
+
+def send_message(client: reverb.Client, table: str, message: Mapping[str, Any], timeout_s: float) -> None:
+    """Inserts one message, waiting at most `timeout_s` for the server to confirm it."""
+    writer = client.trajectory_writer(num_keep_alive_refs=1, validate_items=False)
+    try:
+        writer.append([encode_message(message)])
+        writer.create_item(table, 1.0, [writer.history[0][-1]])
+        writer.end_episode(timeout_ms=max(1, int(timeout_s * 1000)))
+    finally:
+        writer.close()
+
+
+def take_messages(client: reverb.Client, table: str, timeout_s: int = 5) -> List[Dict[str, Any]]:
+    """Every message waiting in `table`, oldest first, each decoded (undecodable ones raise ValueError)."""
+    size = int(client.server_info(timeout=timeout_s)[table].current_size)
+    if size == 0:
+        return []
+    # Only this reader removes messages, so `size` are there to read and sampling cannot block.
+    return [decode_message(sample.data[0])
+            for sample in client.sample(table, num_samples=size, emit_timesteps=False)]

@@ -1,0 +1,113 @@
+"""The replay service as a process of its own: the learner holds no server, and each can die without the other."""
+
+import json
+import os
+import signal
+
+import psutil
+import pytest
+from launch_support import TINY, start_run, status, stop_all, wait_for, worker_process
+
+from actorq_jax.launch.checkpoint import read_counters
+from actorq_jax.replay.server import checkpoint_table_size
+
+pytestmark = pytest.mark.process
+
+
+def _listening_ports(pid: int) -> set:
+    return {c.laddr.port for c in psutil.Process(pid).net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN}
+
+
+def _finish(proc) -> str:
+    """SIGTERMs the launcher and returns its output once it exited 0."""
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output
+    return output
+
+
+@pytest.mark.timeout(360)
+def test_pinned_service_outlives_a_learner_kill_and_actors_keep_inserting(tmp_path):
+    results = tmp_path / "run"
+    # min_size: actors run free, so a learner that is down does not hold them.
+    proc = start_run(results, *TINY, "--rate_limiter", "min_size", "--max_times_sampled", "8",
+                     "--layout", "pinned", "--max_seconds", "200")
+    try:
+        learner_pid = wait_for(lambda: status(results).get("learner_steps", 0) >= 10 and status(results)["pid"],
+                               120, "the learner's first steps", proc)
+        service = status(results, "replay")
+        port = int(service["local_address"].rpartition(":")[2])
+        # The service listens on the run's port; the learner listens on nothing.
+        assert port in _listening_ports(service["pid"])
+        assert _listening_ports(learner_pid) == set()
+        launcher = psutil.Process(proc.pid)
+        wait_for(lambda: worker_process(launcher, "evaluator") and worker_process(launcher, "actor", 1), 60,
+                 "actors and evaluator", proc)
+        # --layout pinned: the learner alone on the first core, every other role on the rest.
+        cores = sorted(os.sched_getaffinity(0))
+        expected = {"learner": {cores[0]}, "replay": set(cores[1:])}
+        for role in ("replay", "learner", "actor", "evaluator"):
+            pid, want = worker_process(launcher, role).pid, expected.get(role, set(cores[1:]))
+            wait_for(lambda pid=pid, want=want: os.sched_getaffinity(pid) == want, 30, f"the {role}'s cores")
+
+        before = status(results, "replay")["env_steps"]
+        os.kill(learner_pid, signal.SIGKILL)
+        seen_while_down = []
+
+        def learner_back():
+            report = status(results)
+            if report.get("pid") == learner_pid:
+                seen_while_down.append(status(results, "replay").get("env_steps", 0))
+            return report.get("pid") not in (None, learner_pid) and report.get("phase") == "running"
+
+        wait_for(learner_back, 120, "the restarted learner", proc)
+        assert max(seen_while_down) > before, (before, seen_while_down)
+        after = status(results, "replay")
+        assert after["pid"] == service["pid"], "the service was restarted with the learner"
+        restored = status(results)["restored"]
+        # The restarted learner samples the live table, not a checkpoint's copy of it.
+        assert restored["items"] >= before
+        steps = status(results)["learner_steps"]
+        wait_for(lambda: status(results)["learner_steps"] > steps, 120, "learner steps after the restart", proc)
+    finally:
+        output = _finish(proc) if proc.poll() is None else proc.communicate()[0]
+        stop_all(proc)
+    summary = json.loads((results / "summary.json").read_text())
+    assert summary["learner_restarts"] == 1 and summary["replay_restarts"] == 0, output
+
+
+@pytest.mark.timeout(240)
+def test_killed_service_comes_back_on_its_port_with_its_items_and_nobody_else_restarts(tmp_path):
+    results = tmp_path / "run"
+    proc = start_run(results, *TINY, "--max_seconds", "200", "--server_timeout_s", "60")
+    try:
+        counters = wait_for(lambda: (read_counters(results / "checkpoints") or {}).get("replay_checkpoint")
+                            and read_counters(results / "checkpoints"), 150, "a learner checkpoint", proc)
+        launcher = psutil.Process(proc.pid)
+        wait_for(lambda: worker_process(launcher, "actor", 1), 60, "the actors", proc)
+        learner = worker_process(launcher, "learner")
+        actors = [worker_process(launcher, "actor", i) for i in range(2)]
+        service = status(results, "replay")
+        os.kill(service["pid"], signal.SIGKILL)
+        back = wait_for(lambda: status(results, "replay").get("pid") not in (None, service["pid"])
+                        and status(results, "replay"), 120, "the restarted service", proc)
+        assert back["local_address"] == service["local_address"]
+        # Restored from the replay checkpoint of the learner's newest checkpoint (or a newer pair).
+        name = back["restored"]["checkpoint"]
+        assert name and int(name.rpartition("_")[2]) >= counters["learner_steps"]
+        table = "replay"
+        assert back["restored"]["items"] == checkpoint_table_size(results / "replay_checkpoints", name, table) > 0
+        steps = status(results)["learner_steps"]
+        # The learner and the actors reconnect on their own: same processes, and training goes on.
+        wait_for(lambda: status(results)["learner_steps"] >= steps + 50, 120, "learner steps after the service restart",
+                 proc)
+        assert learner.is_running() and worker_process(launcher, "learner").pid == learner.pid
+        assert all(a.is_running() for a in actors)
+        env_steps = status(results, "replay")["env_steps"]
+        wait_for(lambda: status(results, "replay")["env_steps"] > env_steps, 60, "inserts into the restored table", proc)
+    finally:
+        output = _finish(proc) if proc.poll() is None else proc.communicate()[0]
+        stop_all(proc)
+    summary = json.loads((results / "summary.json").read_text())
+    assert summary["replay_restarts"] == 1 and summary["learner_restarts"] == 0, output
+    assert "replay service back on port" in output
