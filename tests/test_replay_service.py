@@ -3,15 +3,81 @@
 import json
 import os
 import signal
+import threading
+import time
 
 import psutil
 import pytest
 from launch_support import TINY, start_run, status, stop_all, wait_for, worker_process
 
 from actorq_jax.launch.checkpoint import read_counters
+from actorq_jax.launch.config import RunConfig
+from actorq_jax.launch.flags import parse_run
+from actorq_jax.launch.runtime import role_cpus
 from actorq_jax.replay.server import checkpoint_table_size
 
-pytestmark = pytest.mark.process
+
+@pytest.mark.parametrize("flags, says", [
+    (["--replay_cpus", "1-0"], "--replay_cpus: malformed core list '1-0'"),
+    (["--replay_cpus", "4096"], "--replay_cpus: core(s) [4096] are not available"),
+    (["--layout", "spread"], "--layout: 'spread' not in ('shared', 'pinned')"),
+    (["--max_replay_restarts", "-1"], "--max_replay_restarts: must be >= 0, got -1"),
+])
+def test_bad_topology_flags_exit_2_naming_the_flag(flags, says, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_run("d4pg", [*flags, "--results_dir", str(tmp_path / "run")])
+    assert exit_info.value.code == 2
+    assert says in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_pinned_layout_gives_the_learner_the_first_core_and_flags_override_it(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {2, 3, 5})
+    run = RunConfig(task="cartpole_balance", results_dir="r", layout="pinned")
+    assert role_cpus("learner", run) == (2,)
+    assert [role_cpus(role, run) for role in ("replay", "actor", "evaluator")] == [(3, 5)] * 3
+    run = RunConfig(task="cartpole_balance", results_dir="r", layout="pinned", replay_cpus="5", learner_cpus="3")
+    assert (role_cpus("learner", run), role_cpus("replay", run), role_cpus("actor", run)) == ((3,), (5,), (3, 5))
+    shared = RunConfig(task="cartpole_balance", results_dir="r")
+    assert [role_cpus(role, shared) for role in ("learner", "replay", "actor")] == [()] * 3
+
+
+@pytest.mark.process
+@pytest.mark.timeout(120)
+def test_service_answers_checkpoint_requests_and_refuses_bad_ones(tmp_path):
+    from actorq_jax.agents.d4pg.config import D4PGConfig
+    from actorq_jax.environments import environment_spec, make_environment
+    from actorq_jax.launch import runtime
+    from actorq_jax.launch.replay_service import ReplayService, ServiceClient, ServiceError
+
+    run = RunConfig(task="cartpole_balance", results_dir=str(tmp_path))
+    agent = D4PGConfig(policy_layers=(8,), critic_layers=(8,))
+    builder = runtime.make_builder("d4pg", agent, environment_spec(make_environment("cartpole_balance", seed=0)))
+    service = ReplayService(builder, run, tmp_path, "{}", resume=False)
+    done = threading.Event()
+
+    def serve():
+        while not done.is_set():
+            service.answer_requests()
+            time.sleep(0.02)
+
+    served = threading.Thread(target=serve)
+    served.start()
+    try:
+        client = ServiceClient(service.client, timeout_s=10)
+        for name in ("step_1", "step_2", "step_3"):
+            assert client.checkpoint(name, keep=["step_1"])["name"] == name
+        # Only the checkpoints asked to be kept, and the new one, stay on disk.
+        kept = sorted(p.name for p in (tmp_path / "replay_checkpoints").iterdir() if p.name.startswith("step"))
+        assert kept == ["step_1", "step_3"]
+        with pytest.raises(ServiceError, match="refused 'checkpoint'.*plain directory name"):
+            client.checkpoint("../escape", keep=[])
+        with pytest.raises(ServiceError, match="unknown request 'compact'"):
+            client.request({"op": "compact"})
+    finally:
+        done.set()
+        served.join()
+        service.stop()
 
 
 def _listening_ports(pid: int) -> set:
@@ -26,6 +92,8 @@ def _finish(proc) -> str:
     return output
 
 
+@pytest.mark.process
+@pytest.mark.process
 @pytest.mark.timeout(360)
 def test_pinned_service_outlives_a_learner_kill_and_actors_keep_inserting(tmp_path):
     results = tmp_path / "run"
@@ -76,6 +144,8 @@ def test_pinned_service_outlives_a_learner_kill_and_actors_keep_inserting(tmp_pa
     assert summary["learner_restarts"] == 1 and summary["replay_restarts"] == 0, output
 
 
+@pytest.mark.process
+@pytest.mark.process
 @pytest.mark.timeout(240)
 def test_killed_service_comes_back_on_its_port_with_its_items_and_nobody_else_restarts(tmp_path):
     results = tmp_path / "run"
