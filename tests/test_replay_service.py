@@ -6,6 +6,7 @@ import signal
 import threading
 import time
 
+import numpy as np
 import psutil
 import pytest
 from launch_support import TINY, start_run, status, stop_all, wait_for, worker_process
@@ -22,6 +23,7 @@ from actorq_jax.replay.server import checkpoint_table_size
     (["--replay_cpus", "4096"], "--replay_cpus: core(s) [4096] are not available"),
     (["--layout", "spread"], "--layout: 'spread' not in ('shared', 'pinned')"),
     (["--max_replay_restarts", "-1"], "--max_replay_restarts: must be >= 0, got -1"),
+    (["--learner_platform", "tpu"], "--learner_platform: 'tpu' not in"),
 ])
 def test_bad_topology_flags_exit_2_naming_the_flag(flags, says, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -181,3 +183,75 @@ def test_killed_service_comes_back_on_its_port_with_its_items_and_nobody_else_re
     summary = json.loads((results / "summary.json").read_text())
     assert summary["replay_restarts"] == 1 and summary["learner_restarts"] == 0, output
     assert "replay service back on port" in output
+
+
+@pytest.mark.parametrize("flag, learner", [("auto", None), ("cpu", "cpu"), ("gpu", "cuda")])
+def test_every_role_but_the_learner_runs_jax_on_the_cpu(flag, learner):
+    from actorq_jax.launch.runtime import jax_platform
+
+    run = RunConfig(task="cartpole_balance", results_dir="r", learner_platform=flag)
+    assert jax_platform("learner", run) == learner
+    assert [jax_platform(role, run) for role in ("replay", "actor", "evaluator")] == ["cpu"] * 3
+
+
+def test_a_worker_process_takes_its_roles_platform(monkeypatch):
+    import jax
+
+    from actorq_jax.launch.runtime import apply_jax_platform
+
+    monkeypatch.setenv("JAX_PLATFORMS", "")
+    before = jax.config.jax_platforms
+    try:
+        assert apply_jax_platform("actor", RunConfig(task="cartpole_balance", results_dir="r")) == "cpu"
+        assert os.environ["JAX_PLATFORMS"] == "cpu" and jax.config.jax_platforms == "cpu"
+        assert jax.default_backend() == "cpu"
+    finally:
+        jax.config.update("jax_platforms", before)
+
+
+def test_periods_count_a_multiple_stepped_over_by_a_multi_step_call():
+    from actorq_jax.launch.learner import crossed
+
+    assert [crossed(b, b + 4, 10) for b in (0, 4, 8, 12, 16, 20)] == [False, False, True, False, True, False]
+    assert crossed(9, 10, 10) and not crossed(10, 11, 10)
+
+
+@pytest.mark.process
+@pytest.mark.timeout(300)
+def test_a_learner_of_several_steps_per_call_trains_and_writes_back_every_priority(tmp_path):
+    from actorq_jax.agents.dqn.config import DQNConfig
+    from actorq_jax.environments import environment_spec, make_environment
+    from actorq_jax.launch import runtime
+    from actorq_jax.launch.actor import Actor
+    from actorq_jax.launch.learner import Learner
+    from actorq_jax.launch.replay_service import ReplayService
+
+    run = RunConfig(agent="dqn", task="CartPole-v1", results_dir=str(tmp_path), num_actors=1, sgd_steps_per_call=4)
+    agent = DQNConfig(q_layers=(16, 16), batch_size=16, min_replay_size=50, rate_limiter="min_size",
+                      max_times_sampled=1000)
+    builder = runtime.make_builder("dqn", agent, environment_spec(make_environment("CartPole-v1", seed=0)))
+    service = ReplayService(builder, run, tmp_path, "{}", resume=False)
+    address = f"localhost:{service.server.port}"
+    learner = Learner(builder, run, tmp_path, address)
+    actor = None
+    try:
+        learner.publish()
+        assert learner.publisher.flush(timeout_s=60)
+        actor = Actor(run, agent, 0, address, threading.Event())
+        assert actor.connect()
+        while learner.items() < 60:
+            actor.run_episode()
+        metrics = None
+        while metrics is None:
+            metrics = learner.step()
+        # One call made four steps; the metrics are the last step's (a batch of priorities, one per item).
+        assert learner.steps == 4 and np.shape(metrics["priorities"]) == (16,)
+        assert learner.max_priority > 1.0
+        learner.step()
+        assert learner.steps == 8
+    finally:
+        if actor is not None:
+            actor.close()
+        learner.publisher.close()
+        learner.checkpointer.close()
+        service.stop()

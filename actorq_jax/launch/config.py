@@ -15,6 +15,7 @@ BACKENDS = ("auto", "fp32", "fakequant", "int8")
 INT8_MODES = ("w8a8", "w8a32")
 BUDGETS = ("max_env_steps", "max_learner_steps", "max_seconds")
 LAYOUTS = ("shared", "pinned")
+PLATFORMS = ("auto", "cpu", "gpu")
 CPU_FLAGS = ("learner_cpus", "replay_cpus", "actor_cpus")
 
 
@@ -52,6 +53,11 @@ class RunConfig:
     country: str = documented("USA", "ISO 3166 alpha-3 code for codecarbon's carbon intensity")
     actor_threads: int = documented(1, "XLA/intra-op threads per actor process")
     learner_threads: int = documented(0, "XLA threads of the learner (0: every core)")
+    sgd_steps_per_call: int = documented(
+        1, "SGD steps per jitted learner call (a lax.scan over that many batches: one dispatch for all of them)")
+    learner_platform: str = documented(
+        "auto", f"JAX platform of the learner, one of {PLATFORMS} (auto: an accelerator when JAX sees one); "
+                "actors, the evaluator and the replay service always run JAX on the CPU")
     layout: str = documented(
         "shared", f"how roles share this machine's cores, one of {LAYOUTS}: shared (every role on every core) or "
                   "pinned (the learner alone on the first core, the replay service, actors and evaluator on the rest); "
@@ -114,7 +120,7 @@ def run_config_problems(run: Any) -> List[Tuple[str, str]]:
     if run.num_actors < 1:
         problems.append(("num_actors", f"must be >= 1, got {run.num_actors}"))
     for name in ("update_period", "publish_period", "eval_period", "eval_episodes", "checkpoint_period", "actor_threads",
-                 "envs_per_actor"):
+                 "envs_per_actor", "sgd_steps_per_call"):
         if getattr(run, name) < 1:
             problems.append((name, f"must be >= 1, got {getattr(run, name)}"))
     for name in ("learner_threads", "max_actor_restarts", "max_learner_restarts", "max_replay_restarts"):
@@ -122,6 +128,8 @@ def run_config_problems(run: Any) -> List[Tuple[str, str]]:
             problems.append((name, f"must be >= 0, got {getattr(run, name)}"))
     if run.layout not in LAYOUTS:
         problems.append(("layout", f"{run.layout!r} not in {LAYOUTS}"))
+    if run.learner_platform not in PLATFORMS:
+        problems.append(("learner_platform", f"{run.learner_platform!r} not in {PLATFORMS}"))
     for name in CPU_FLAGS:
         # Only the syntax here: a remote actor reads this config on a machine with other cores.
         try:

@@ -19,7 +19,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import jax
 import numpy as np
@@ -83,6 +83,12 @@ class Learner:
         ])
         self.last_publish = time.monotonic()
         self._dataset: Optional[ReplayDataset] = None
+        self._multi_step = None
+        self._batches: List[Any] = []  # batches of the next multi-step call sampled so far
+        if run.sgd_steps_per_call > 1:
+            from actorq_jax.agents.multi_step import multi_sgd_step
+
+            self._multi_step = multi_sgd_step(builder.sgd_step, run.sgd_steps_per_call)
         self._env_steps_cache = (0.0, int(counters.get("env_steps", 0)))
         self.restored = {"checkpoint": counters.get("replay_checkpoint"), "items": self.items(),
                          "learner_steps": self.steps, "env_steps": int(counters.get("env_steps", 0))}
@@ -131,7 +137,12 @@ class Learner:
         """Whether the publication period (in SGD steps, or seconds with publish_period_s) has come round."""
         if self.run.publish_period_s is not None:
             return time.monotonic() - self.last_publish >= self.run.publish_period_s
-        return self.steps % self.run.publish_period == 0
+        return crossed(self.steps - self.last_call_steps, self.steps, self.run.publish_period)
+
+    @property
+    def last_call_steps(self) -> int:
+        """SGD steps the last call made (1, or sgd_steps_per_call)."""
+        return self.run.sgd_steps_per_call if self._multi_step is not None else 1
 
     def checkpoint(self) -> bool:
         """Has the service checkpoint replay, then saves state and counters naming it; whether it was saved."""
@@ -150,25 +161,36 @@ class Learner:
         return True
 
     def step(self) -> Optional[Dict[str, Any]]:
-        """One SGD step on a fresh batch; None when replay could not serve one in time."""
+        """One SGD call (sgd_steps_per_call steps) on fresh batches; None when replay could not serve them in time."""
         try:
-            batch = self._next_batch()
+            while len(self._batches) < self.last_call_steps:
+                batch = self._next_batch()
+                if batch is None:
+                    return None  # the batches sampled so far wait for the next call
+                self._batches.append(batch)
         except SERVICE_ERRORS as error:
             log.warning("sampling from the replay service failed: %s", error)
             self.wait_for_service()
             return None
-        if batch is None:
-            return None
-        self.state, metrics = self.builder.sgd_step(self.state, batch)
+        if self._multi_step is None:
+            batch = self._batches[0]
+            self.state, metrics = self.builder.sgd_step(self.state, batch)
+        else:
+            from actorq_jax.agents.multi_step import last_step_metrics, stack_batches
+
+            batch = stack_batches(self._batches)
+            self.state, metrics = self._multi_step(self.state, batch)
+        self._batches = []
         update = self.builder.priority_update(batch, metrics)
         if update is not None:
             try:
-                update_priorities(self.client, self.replay_table, update.keys, update.priorities)
+                # A multi-step call writes back every step's priorities, later steps last.
+                update_priorities(self.client, self.replay_table, np.ravel(update.keys), np.ravel(update.priorities))
             except SERVICE_ERRORS as error:
                 # Those items went with a service that restarted from its checkpoint.
                 log.warning("priority update lost: %s", error)
             self.max_priority = max(self.max_priority, float(np.max(update.priorities)))
-        return metrics
+        return metrics if self._multi_step is None else last_step_metrics(metrics)
 
     def _next_batch(self) -> Any:
         """The next batch, or None when the rate limiter held the sampler past SAMPLE_TIMEOUT_MS."""
@@ -277,16 +299,24 @@ def run_learner(run: RunConfig, agent_config: Any, address: str, stop: threading
         _hand_over(learner, csv_log, report)
 
 
+def crossed(before: int, after: int, period: int) -> bool:
+    """Whether a multiple of `period` lies in (before, after]: a call of several steps may step over it."""
+    return after // period > before // period
+
+
 def _after_step(learner: Learner, csv_log: LearnerLog, metrics: Dict[str, Any]) -> None:
-    """What the periods ask for after SGD step `learner.steps`: publish, evaluate, checkpoint, log."""
+    """What the periods ask for after the call that ended at SGD step `learner.steps`: publish, evaluate,
+    checkpoint, log."""
     run, steps = learner.run, learner.steps
-    if learner.publish_due() or steps % run.eval_period == 0:
-        learner.publish(evaluation=steps % run.eval_period == 0)
+    before = steps - learner.last_call_steps
+    evaluation = crossed(before, steps, run.eval_period)
+    if learner.publish_due() or evaluation:
+        learner.publish(evaluation=evaluation)
     # The row before the checkpoint: a checkpoint at step N then implies row N is on disk, so a learner
     # killed right after it (and restored to it) never loses the rows its checkpoint accounts for.
-    if steps % LOG_EVERY_STEPS == 0:
+    if crossed(before, steps, LOG_EVERY_STEPS):
         csv_log.write(steps, learner.env_steps(), metrics, learner.publisher.totals())
-    if steps % run.checkpoint_period == 0:
+    if crossed(before, steps, run.checkpoint_period):
         learner.checkpoint()
 
 
@@ -305,6 +335,7 @@ class StatusReport:
             "phase": phase,
             "pid": os.getpid(),
             "address": learner.address,  # the replay service it samples
+            "platform": jax.default_backend(),
             "learner_steps": learner.steps,
             "env_steps": learner.env_steps(),
             "wall_seconds": time.monotonic() - self.start,

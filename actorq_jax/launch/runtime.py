@@ -36,6 +36,27 @@ def apply_thread_env(threads: int) -> None:
         os.environ[key] = value
 
 
+def jax_platform(role: str, run: Any) -> Optional[str]:
+    """The JAX_PLATFORMS value a role runs with: "cpu" for every role but the learner, which follows
+    --learner_platform (None: JAX's own choice, an accelerator when it sees one)."""
+    if role != "learner":
+        # An actor on a GPU machine would otherwise open the device (and reserve its memory) with JAX's defaults.
+        return "cpu"
+    return {"auto": None, "cpu": "cpu", "gpu": "cuda"}[getattr(run, "learner_platform", "auto")]
+
+
+def apply_jax_platform(role: str, run: Any) -> Optional[str]:
+    """Sets this process's JAX platform for its role (before JAX's first computation); returns the value set."""
+    import sys
+
+    platform = jax_platform(role, run)
+    if platform is not None:
+        os.environ["JAX_PLATFORMS"] = platform
+        if "jax" in sys.modules:  # imported already (configs import the agents): the env var was read then
+            sys.modules["jax"].config.update("jax_platforms", platform)
+    return platform
+
+
 def parse_cpu_list(text: str) -> Tuple[int, ...]:
     """Parses a core list such as '0', '1,3' or '0-2,5' (sorted, no repeats); ValueError naming it if malformed."""
     cores = set()

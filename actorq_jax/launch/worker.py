@@ -54,6 +54,7 @@ def main(argv: Optional[list] = None) -> int:
     config_json = (results_dir / "config.json").read_text()
     run, agent_config = config_from_json(config_json)
     runtime.apply_cpu_affinity(args.role, run)
+    runtime.apply_jax_platform(args.role, run)
     if args.restart and args.role in ("replay", "learner"):
         run = dataclasses.replace(run, resume=True)  # a restarted learner or service continues from its checkpoint
     if args.role == "replay":
