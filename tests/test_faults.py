@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
@@ -29,6 +28,7 @@ from launch_support import (
     wait_for,
     worker_process,
 )
+from service_support import dqn_service_learner_actor
 
 from actorq_jax.launch import runtime
 from actorq_jax.launch.actor import fetch_config
@@ -241,28 +241,8 @@ def test_remote_actor_exits_clearly_on_a_malformed_config_row(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_new_dqn_items_are_sampled_at_the_max_priority(tmp_path):
-    from actorq_jax.agents.dqn.config import DQNConfig
-    from actorq_jax.environments import environment_spec, make_environment
-    from actorq_jax.launch.actor import Actor
-    from actorq_jax.launch.config import RunConfig
-    from actorq_jax.launch.learner import Learner
-    from actorq_jax.launch.replay_service import ReplayService
-
-    run = RunConfig(agent="dqn", task="CartPole-v1", results_dir=str(tmp_path), num_actors=1, update_period=10)
-    # No insert/sample ratio: the actor here writes while the learner waits, and the reverse.
-    agent = DQNConfig(q_layers=(16, 16), batch_size=16, min_replay_size=50, rate_limiter="min_size",
-                      max_times_sampled=1000)
-    builder = runtime.make_builder("dqn", agent, environment_spec(make_environment("CartPole-v1", seed=0)))
-    service = ReplayService(builder, run, tmp_path, "{}", resume=False)
-    address = f"localhost:{service.server.port}"
-    learner = Learner(builder, run, tmp_path, address)
-    actor = None
-    try:
-        learner.publish()
-        assert learner.publisher.flush(timeout_s=60)
-        actor = Actor(run, agent, 0, address, threading.Event())
-        assert actor.connect()
-        while learner.client.server_info(timeout=5)["replay"].current_size < 60:
+    with dqn_service_learner_actor(tmp_path, update_period=10) as (service, learner, actor):
+        while learner.items() < 60:
             actor.run_episode()  # written at priority 1.0: nothing was written back yet
         checkpoints = service.server.checkpoint_dir
         old = checkpoint_items(checkpoints, service.server.checkpoint("before"), "replay")
@@ -280,9 +260,3 @@ def test_new_dqn_items_are_sampled_at_the_max_priority(tmp_path):
         new = {key: priority for key, priority in items.items() if key not in old}
         assert len(old) >= 60 and new
         assert set(np.float32(list(new.values()))) == {np.float32(learner.max_priority)}
-    finally:
-        if actor is not None:
-            actor.close()
-        learner.publisher.close()
-        learner.checkpointer.close()
-        service.stop()

@@ -10,6 +10,7 @@ import numpy as np
 import psutil
 import pytest
 from launch_support import TINY, start_run, status, stop_all, wait_for, worker_process
+from service_support import dqn_service_learner_actor
 
 from actorq_jax.launch.checkpoint import read_counters
 from actorq_jax.launch.config import RunConfig
@@ -219,26 +220,7 @@ def test_periods_count_a_multiple_stepped_over_by_a_multi_step_call():
 @pytest.mark.process
 @pytest.mark.timeout(300)
 def test_a_learner_of_several_steps_per_call_trains_and_writes_back_every_priority(tmp_path):
-    from actorq_jax.agents.dqn.config import DQNConfig
-    from actorq_jax.environments import environment_spec, make_environment
-    from actorq_jax.launch import runtime
-    from actorq_jax.launch.actor import Actor
-    from actorq_jax.launch.learner import Learner
-    from actorq_jax.launch.replay_service import ReplayService
-
-    run = RunConfig(agent="dqn", task="CartPole-v1", results_dir=str(tmp_path), num_actors=1, sgd_steps_per_call=4)
-    agent = DQNConfig(q_layers=(16, 16), batch_size=16, min_replay_size=50, rate_limiter="min_size",
-                      max_times_sampled=1000)
-    builder = runtime.make_builder("dqn", agent, environment_spec(make_environment("CartPole-v1", seed=0)))
-    service = ReplayService(builder, run, tmp_path, "{}", resume=False)
-    address = f"localhost:{service.server.port}"
-    learner = Learner(builder, run, tmp_path, address)
-    actor = None
-    try:
-        learner.publish()
-        assert learner.publisher.flush(timeout_s=60)
-        actor = Actor(run, agent, 0, address, threading.Event())
-        assert actor.connect()
+    with dqn_service_learner_actor(tmp_path, sgd_steps_per_call=4) as (_, learner, actor):
         while learner.items() < 60:
             actor.run_episode()
         metrics = None
@@ -249,9 +231,3 @@ def test_a_learner_of_several_steps_per_call_trains_and_writes_back_every_priori
         assert learner.max_priority > 1.0
         learner.step()
         assert learner.steps == 8
-    finally:
-        if actor is not None:
-            actor.close()
-        learner.publisher.close()
-        learner.checkpointer.close()
-        service.stop()
