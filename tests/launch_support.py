@@ -16,6 +16,7 @@ import psutil
 from actorq_jax.telemetry import read_csv
 
 ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"  # scripts, not a package: tests import them with this on sys.path
 # Set for the whole test run (conftest.py) and for every process a test starts: no display, quiet TensorFlow.
 SHARED_ENV = {"MUJOCO_GL": "disable", "TF_CPP_MIN_LOG_LEVEL": "2"}
 ENV = {**os.environ, **SHARED_ENV}

@@ -58,6 +58,7 @@ def test_remote_actor_ids_must_not_be_a_launcher_actors():
     assert "--actor_id must be >= 0, got -3" == check_remote_actor_id(-3, 2)
 
 
+@pytest.mark.process
 @pytest.mark.timeout(60)
 def test_forwarded_rows_are_drained_into_their_actors_csv(tmp_path):
     server = ReplayServer([make_actor_rows_table()])
@@ -84,6 +85,7 @@ def test_forwarded_rows_are_drained_into_their_actors_csv(tmp_path):
         server.stop()
 
 
+@pytest.mark.process
 @pytest.mark.timeout(90)
 def test_rows_wait_while_the_learner_is_away_and_go_when_it_is_back(tmp_path):
     port = free_port()

@@ -1,24 +1,24 @@
 """benchmarks/actor_throughput.py: real actor processes at K = 1 and 8 environments (--quick), and its round arithmetic."""
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
+from launch_support import BENCHMARKS, ROOT
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+sys.path.insert(0, str(BENCHMARKS))
 
 import actor_throughput  # noqa: E402  (a script, not a package)
 
 
+@pytest.mark.process
 @pytest.mark.timeout(600)
 def test_actor_throughput_quick(tmp_path):
     # Four real actor processes (K = 1 and 8; fp32 and int8) against a real Reverb server, one round measured each.
     out = tmp_path / "throughput.json"
     proc = subprocess.run([sys.executable, "benchmarks/actor_throughput.py", "--quick", "--json", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=580)
+                          cwd=ROOT, capture_output=True, text=True, timeout=580)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     rows = {(r["envs_per_actor"], r["backend"]): r for r in result["rows"]}

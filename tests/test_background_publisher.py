@@ -49,6 +49,7 @@ def _version_on_server(server: ReplayServer, table: str) -> int:
     return from_wire(list(sample.data))[1]
 
 
+@pytest.mark.process
 @pytest.mark.timeout(120)
 def test_sgd_steps_complete_while_a_publication_is_held_and_versions_arrive_in_order():
     builder = _builder()
@@ -80,6 +81,7 @@ def test_sgd_steps_complete_while_a_publication_is_held_and_versions_arrive_in_o
         assert _version_on_server(server, "eval") == 30  # a dropped evaluation version is carried by the newer one
 
 
+@pytest.mark.process
 @pytest.mark.timeout(60)
 def test_versions_must_increase_and_a_closed_publisher_refuses_work():
     with ReplayServer([make_variables_table("variables")]) as server:

@@ -6,6 +6,8 @@ import sys
 import pytest
 from launch_support import ENV, ROOT
 
+pytestmark = pytest.mark.process
+
 
 @pytest.mark.timeout(900)
 def test_quick_chaos_soak_loses_nothing(tmp_path):

@@ -2,10 +2,8 @@
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import dm_env
 import jax
@@ -13,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import psutil
 import pytest
+from launch_support import ENV, ROOT, TINY_DQN
 
 from actorq_jax.agents.builder import single_env
 from actorq_jax.agents.dqn import acting, learning
@@ -30,7 +29,6 @@ from actorq_jax.replay import (
     update_priorities,
 )
 
-REPO = Path(__file__).resolve().parents[1]
 OBS_DIM, NUM_ACTIONS = 4, 3
 
 
@@ -275,6 +273,7 @@ def _sample(server: ReplayServer, table: str, count: int) -> ReplayBatch:
     return next(dataset)
 
 
+@pytest.mark.process
 @pytest.mark.timeout(120)
 def test_priorities_written_back_change_what_reverb_samples():
     builder = DQNBuilder(_tiny_config(batch_size=64, priority_exponent=1.0), _spec())
@@ -311,20 +310,19 @@ def test_priorities_written_back_change_what_reverb_samples():
 # -- end to end -------------------------------------------------------------------------------------------
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_learner_and_two_actors_on_cartpole_exit_cleanly(tmp_path):
     results = tmp_path / "run"
     command = [
-        sys.executable, str(REPO / "experiments" / "run_dqn.py"),
-        "--task", "CartPole-v1", "--num_actors", "2", "--actor_bits", "8",
-        "--q_layers", "32,32", "--batch_size", "32", "--min_replay_size", "100", "--samples_per_insert", "8",
+        sys.executable, "experiments/run_dqn.py", *TINY_DQN, "--num_actors", "2", "--actor_bits", "8",
+        "--samples_per_insert", "8",
         "--target_update_period", "50", "--max_learner_steps", "300", "--max_seconds", "150",
         "--eval_period", "100", "--publish_period", "10", "--update_period", "50", "--checkpoint_period", "1000",
         "--seed", "3", "--learner_threads", "1", "--results_dir", str(results),
     ]
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    completed = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=220)
+    completed = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=220)
     assert completed.returncode == 0, completed.stderr[-3000:]
     summary = json.loads((results / "summary.json").read_text())
     assert summary["exit_code"] == 0

@@ -3,17 +3,16 @@
 import dataclasses
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from launch_support import BENCHMARKS, ENV, ROOT
 
 from actorq_jax.analysis.run_figures import bottleneck, measure_run
 from actorq_jax.telemetry import EVAL_FIELDS, CsvLogger, write_json
 
-ROOT = Path(__file__).resolve().parents[1]
 HEADLINE = ("time_to_target_speedup_q8", "energy_to_target_ratio_q8", "env_steps_per_s_ratio_q8",
             "learner_steps_per_s_ratio_q8", "final_return_q32", "final_return_q8", "runs_reached_target_q32",
             "runs_reached_target_q8")
@@ -59,15 +58,15 @@ def test_bottleneck_names_the_limiter_when_actors_mostly_wait():
     assert bottleneck({}).startswith("unknown")
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_quick_benchmark_runs_real_runs_and_reports_every_headline_key(tmp_path):
     out = tmp_path / "e2e.json"
-    env = {**os.environ, "MUJOCO_GL": "disable", "TF_CPP_MIN_LOG_LEVEL": "2"}
     # 25 s runs (the --quick default is 45): keys and plumbing are checked here, not values.
     proc = subprocess.run([sys.executable, "benchmarks/end_to_end.py", "--quick", "--max_seconds", "25", "--json", str(out),
                            "--results_dir", str(tmp_path / "runs")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=880)
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=880)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     for key in HEADLINE:
@@ -82,7 +81,7 @@ def test_quick_benchmark_runs_real_runs_and_reports_every_headline_key(tmp_path)
 
 
 def test_a_finished_run_with_the_same_flags_is_kept_and_any_other_is_run_again(tmp_path):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(BENCHMARKS))
     from end_to_end import _finished_with
 
     from actorq_jax.launch.config import save_config

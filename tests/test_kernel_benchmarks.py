@@ -5,18 +5,18 @@
 
 import json
 import math
-import os
 import subprocess
 import sys
 
 import pytest
+from launch_support import ROOT
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.process
 
 
 def _run(script: str, json_path, timeout_s: int) -> dict:
     proc = subprocess.run([sys.executable, f"benchmarks/{script}", "--quick", "--json", str(json_path)],
-                          cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(json_path.read_text())
 

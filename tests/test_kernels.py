@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from launch_support import ROOT
 
 from actorq_jax import kernels
 from actorq_jax.kernels import (
@@ -20,8 +21,6 @@ from actorq_jax.kernels import (
     pack_params,
     reference_int8_dense,
 )
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Without a compiler the package falls back to the jnp reference: tests of the
 # compiled kernel skip (test_kernel_is_built says why, and fails where
@@ -362,6 +361,8 @@ def test_jit_repeated_calls_with_two_threads():
 
 
 @needs_kernel
+@pytest.mark.process
+@pytest.mark.timeout(150)
 def test_idle_pool_workers_sleep():
     # Pool workers spin briefly after a job and then must sleep: a worker that kept
     # spinning would steal a core from the actor's environment for the whole run.
@@ -383,7 +384,7 @@ def test_idle_pool_workers_sleep():
         time.sleep(1.0)
         print("IDLE_CPU", time.process_time() - cpu0)
     """)
-    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     idle_cpu = float(proc.stdout.split("IDLE_CPU")[1])
     assert idle_cpu < 0.25, f"process used {idle_cpu:.2f} s of CPU in 1 s of idle sleep"
@@ -399,6 +400,8 @@ def test_reference_path_gives_same_answer():
         assert _max_rel_err(y, y_ref) < 1e-5
 
 
+@pytest.mark.process
+@pytest.mark.timeout(150)
 def test_missing_library_warns_once_and_falls_back():
     script = textwrap.dedent(
         """
@@ -423,7 +426,7 @@ def test_missing_library_warns_once_and_falls_back():
         """
     )
     env = dict(os.environ, ACTORQ_KERNEL_LIBRARY="/nonexistent/does-not-exist.so", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert "FALLBACK-OK" in proc.stdout, proc.stderr[-2000:]
 
 
@@ -592,6 +595,7 @@ def test_fused_mlp_handler_refuses_a_bad_program():
 
 
 @needs_kernel
+@pytest.mark.process
 @pytest.mark.timeout(300)
 def test_portable_scalar_build(tmp_path):
     # The library as a CPU without x86 SIMD gets it: scalar code only, same answers as the reference.
@@ -619,5 +623,5 @@ def test_portable_scalar_build(tmp_path):
         print("PORTABLE-OK")
     """)
     env = dict(os.environ, ACTORQ_KERNEL_LIBRARY=str(lib), JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert "PORTABLE-OK" in proc.stdout, proc.stderr[-3000:]

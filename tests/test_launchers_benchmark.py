@@ -6,11 +6,11 @@ import subprocess
 import sys
 
 import pytest
+from launch_support import BENCHMARKS, ROOT
 
 from actorq_jax.telemetry import CsvLogger
 
-ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(BENCHMARKS))
 
 import launchers  # noqa: E402  (benchmarks/ is not a package)
 
@@ -38,6 +38,7 @@ def test_headline_is_ray_median_over_local_median():
     assert head["ray_over_local_whole_run_ratio"] == pytest.approx(75.0 / 110.0)
 
 
+@pytest.mark.process
 @pytest.mark.timeout(300)
 def test_quick_run_writes_the_headline(tmp_path):
     out = tmp_path / "launchers.json"

@@ -1,16 +1,14 @@
 """The package installs from a wheel (as on a cluster's worker nodes): every module is in it and the int8 kernel loads."""
 
-import os
 import subprocess
 import sys
 import zipfile
-from pathlib import Path
 
 import pytest
+from launch_support import ENV, ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 
-
+@pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_wheel_holds_every_module_and_its_kernel_loads_when_installed(tmp_path):
@@ -29,7 +27,7 @@ def test_wheel_holds_every_module_and_its_kernel_loads_when_installed(tmp_path):
     assert install.returncode == 0, install.stderr[-3000:]
     code = ("import actorq_jax, actorq_jax.launch.actor, actorq_jax.launch.worker; from actorq_jax import kernels; "
             "assert kernels.kernel_available(), kernels.describe_kernel(); print(actorq_jax.__file__)")
-    env = {**os.environ, "PYTHONPATH": str(site), "MUJOCO_GL": "disable"}
+    env = {**ENV, "PYTHONPATH": str(site)}
     # Run outside the repository, so the import can only come from the installed wheel.
     probe = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert probe.returncode == 0, probe.stderr[-3000:]

@@ -3,15 +3,13 @@
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from launch_support import ROOT
 
 from actorq_jax.launch.config import RunConfig
 from actorq_jax.launch.flags import parse_run
 from actorq_jax.launch.runtime import cpu_list_problem, parse_cpu_list, role_cpus
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("text, cores", [("0", (0,)), ("1,0", (0, 1)), ("0-2,5", (0, 1, 2, 5)), (" 3 ", (3,))])
@@ -47,6 +45,7 @@ def test_roles_get_their_cores():
     assert role_cpus("actor", run) == () and role_cpus("evaluator", run) == ()
 
 
+@pytest.mark.process
 @pytest.mark.timeout(60)
 def test_a_pinned_process_runs_only_on_its_cores():
     first = min(os.sched_getaffinity(0))

@@ -4,12 +4,12 @@ import dataclasses
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from launch_support import BENCHMARKS, ROOT
 
 from actorq_jax.quantization import (
     QuantConfig,
@@ -27,7 +27,6 @@ from actorq_jax.quantization.wire import pack_values, unpack_values, wire_meta
 
 INT_BITS = list(range(2, 9))
 GRANULARITIES = ["per_channel", "per_tensor"]
-REPO = Path(__file__).resolve().parents[1]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -569,12 +568,14 @@ def test_random_byte_flips_give_value_error_or_finite_weights():
 
 # ----------------------------------------------------------------------------- benchmark smoke
 
+@pytest.mark.process
+@pytest.mark.timeout(200)
 def test_benchmark_quick_runs(tmp_path):
     out = tmp_path / "quantize.json"
     proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "quantize.py"), "--quick", "--hidden", "256",
+        [sys.executable, str(BENCHMARKS / "quantize.py"), "--quick", "--hidden", "256",
          "--repeats", "2", "--json", str(out)],
-        capture_output=True, text=True, timeout=170, cwd=REPO)
+        capture_output=True, text=True, timeout=170, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
     assert result["benchmark"] == "quantize"

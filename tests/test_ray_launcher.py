@@ -9,7 +9,6 @@ nodes send.
 """
 
 import json
-import os
 import secrets
 import signal
 import socket
@@ -23,15 +22,15 @@ from typing import Dict, List, Set
 
 import psutil
 import pytest
-from launch_support import ENV, ROOT, TINY, alive, rows, start_remote_actor, status, stop_all
+from launch_support import ENV, ROOT, TINY, TINY_DQN, alive, rows, start_remote_actor, status, stop_all, usage_error
 
+from actorq_jax.launch.flags import parse_run
 from actorq_jax.launch.ray_placement import parse_resources, placement_problems, ray_flag_problems
 
-# Loopback only, and token authentication on with a token of this test session (no file in $HOME needed).
+# Loopback only, and token authentication on with a token of this test run (no file in $HOME needed).
 RAY_SETTINGS = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token",
                 "RAY_AUTH_TOKEN": secrets.token_hex(32)}
 RAY_ENV = {**ENV, **RAY_SETTINGS}
-os.environ.update(RAY_SETTINGS)  # the Cluster below is started by this process
 # Every file a local run leaves (checkpoint trees checked apart).
 RESULT_FILES = ("config.json", "summary.json", "learner.csv", "eval.csv", "emissions.csv", "status/learner.json",
                 "logs/learner.log", "logs/evaluator.log")
@@ -92,22 +91,28 @@ def _closed_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.mark.timeout(120)
 @pytest.mark.parametrize("flags, named, says", [
     (["--ray_address", "127.0.0.1:{port}"], "--ray_address", "nothing answers"),
     (["--actor_resources", "CPU"], "--actor_resources", "NAME=AMOUNT"),
     (["--learner_resources", "accelerator_node=1"], "--learner_resources", "lacking: accelerator_node"),
 ])
-def test_bad_ray_flags_exit_2_naming_the_flag(flags, named, says, tmp_path):
+def test_bad_ray_flags_exit_2_naming_the_flag(flags, named, says, tmp_path, capsys):
     flags = [f.format(port=_closed_port()) for f in flags]
-    proc = subprocess.run([sys.executable, "experiments/run_d4pg.py", "--launcher", "ray", *flags, "--results_dir",
-                           str(tmp_path / "run")], cwd=ROOT, env=RAY_ENV, capture_output=True, text=True, timeout=100)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert named in proc.stderr and says in proc.stderr, proc.stderr[-2000:]
+    err = usage_error(capsys, lambda: parse_run("d4pg", ["--launcher", "ray", *flags, "--results_dir", str(tmp_path / "run")]))
+    assert named in err and says in err, err[-2000:]
     assert not (tmp_path / "run").exists()  # nothing started
 
 
 # -- runs ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ray_environment():
+    """RAY_SETTINGS in this process's environment while the module's runs and Cluster are up."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in RAY_SETTINGS.items():
+            patch.setenv(name, value)
+        yield
 
 
 class Descendants:
@@ -172,21 +177,21 @@ def _assert_complete(results: Path, num_actors: int) -> dict:
     return summary
 
 
+@pytest.mark.process
 @pytest.mark.timeout(150)
 def test_dqn_on_a_local_ray_instance_stops_on_sigterm_and_leaves_no_process(tmp_path):
     results = tmp_path / "run"
-    proc = _launch(results, "--task", "CartPole-v1", "--q_layers", "16,16", "--batch_size", "16", "--min_replay_size",
-                   "100", "--num_actors", "1", "--envs_per_actor", "2", "--max_seconds", "120", "--eval_period", "100",
-                   "--checkpoint_period", "200", script="experiments/run_dqn.py")
+    proc = _launch(results, *TINY_DQN, "--num_actors", "1", "--envs_per_actor", "2", "--max_seconds", "120",
+                   "--eval_period", "100", "--checkpoint_period", "200", script="experiments/run_dqn.py")
     seen = Descendants([proc.pid])
     remote = None
     try:
         deadline = time.monotonic() + 100
-        while not status(results).get("local_address"):
-            assert proc.poll() is None and time.monotonic() < deadline, "the learner did not start"
+        while not status(results, "replay").get("local_address"):
+            assert proc.poll() is None and time.monotonic() < deadline, "the replay service did not start"
             time.sleep(0.5)
-        # A hand-started actor, outside Ray: its rows take the learner's road to the driver too.
-        remote = start_remote_actor(status(results)["local_address"], tmp_path / "remote", "--actor_id", "7",
+        # A hand-started actor, outside Ray: its rows take the replay service's road to the driver too.
+        remote = start_remote_actor(status(results, "replay")["local_address"], tmp_path / "remote", "--actor_id", "7",
                                     "--max_episodes", "2")
         # Stopped once the learner has logged and checkpointed, and episodes reached the driver.
         while (status(results).get("learner_steps", 0) < 250 or not rows(results / "actors" / "actor_0.csv")
@@ -213,7 +218,7 @@ def test_dqn_on_a_local_ray_instance_stops_on_sigterm_and_leaves_no_process(tmp_
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(ray_environment):
     """A head (the learner's node) and two actor nodes, all on 127.0.0.1."""
     from ray.cluster_utils import Cluster
 
@@ -246,6 +251,7 @@ def _cluster_run(nodes, results: Path, actor_node: int, env_steps: int) -> subpr
                    "--max_env_steps", str(env_steps))
 
 
+@pytest.mark.process
 @pytest.mark.timeout(200)
 def test_learner_and_actors_on_separate_nodes(cluster, tmp_path):
     nodes, _ = cluster
@@ -266,6 +272,7 @@ def test_learner_and_actors_on_separate_nodes(cluster, tmp_path):
     assert summary["energy_kwh"] == pytest.approx(sum(r["energy_consumed"] for r in energy_rows), rel=1e-6)
 
 
+@pytest.mark.process
 @pytest.mark.timeout(240)
 def test_a_lost_node_brings_its_actor_back_on_another(cluster, tmp_path):
     nodes, workers = cluster

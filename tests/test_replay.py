@@ -113,6 +113,7 @@ def table_size(client: reverb.Client, table: str) -> int:
 
 # ----------------------------------------------------------------------------- adder
 
+@pytest.mark.process
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("n", [1, 3, 5])
 def test_adder_matches_brute_force_n_step(n):
@@ -133,6 +134,7 @@ def test_adder_matches_brute_force_n_step(n):
         assert_transitions(read_all(server.address, "q", len(expected)), expected)
 
 
+@pytest.mark.process
 @pytest.mark.timeout(60)
 def test_adder_terminal_cuts_bootstrap_truncation_keeps_it():
     rng = np.random.default_rng(7)
@@ -152,6 +154,7 @@ def test_adder_terminal_cuts_bootstrap_truncation_keeps_it():
     np.testing.assert_array_equal(batch.next_observation[3], truncated[0][2])
 
 
+@pytest.mark.process
 @pytest.mark.timeout(60)
 def test_adder_discrete_actions_and_reset_drops_unfinished_steps():
     rng = np.random.default_rng(3)
@@ -177,6 +180,7 @@ def test_adder_discrete_actions_and_reset_drops_unfinished_steps():
     assert_transitions(batch, expected)
 
 
+@pytest.mark.process
 @pytest.mark.timeout(60)
 def test_adder_rejects_bad_input_clearly():
     with queue_server() as server:
@@ -195,6 +199,7 @@ def test_adder_rejects_bad_input_clearly():
 
 # ----------------------------------------------------------------------------- tables and dataset
 
+@pytest.mark.process
 @pytest.mark.timeout(60)
 def test_replay_table_signature_and_uniform_dataset():
     config = ReplayTableConfig(max_size=1000, min_size=5, samples_per_insert=None)
@@ -226,6 +231,7 @@ def test_table_config_validates():
     assert ReplayTableConfig(min_size=10, samples_per_insert=8.0).effective_error_tolerance == 8.0
 
 
+@pytest.mark.process
 @pytest.mark.timeout(120)
 def test_samples_per_insert_ratio_is_kept():
     spi, min_size, tolerance, inserts = 4.0, 20, 10.0, 300
@@ -263,6 +269,7 @@ def test_samples_per_insert_ratio_is_kept():
     assert abs(samples / inserts - spi) <= (spi * min_size + tolerance) / inserts
 
 
+@pytest.mark.process
 @pytest.mark.timeout(60)
 def test_priorities_written_back_change_sampling():
     config = ReplayTableConfig(max_size=1000, min_size=1, samples_per_insert=None, prioritized=True,
@@ -317,6 +324,7 @@ def wire_of(params_tree, version: int):
     return to_wire(params_tree, version)
 
 
+@pytest.mark.process
 @pytest.mark.timeout(150)
 def test_variables_cross_processes_bit_exact_and_advance():
     ctx = mp.get_context("spawn")
@@ -355,6 +363,7 @@ def test_variables_cross_processes_bit_exact_and_advance():
     assert process.exitcode == 0
 
 
+@pytest.mark.process
 @pytest.mark.timeout(60)
 def test_variable_client_load_fn_and_surfaced_errors():
     calls = []
@@ -383,6 +392,7 @@ def test_variable_client_load_fn_and_surfaced_errors():
             assert client.version == 12 and client.errors == 1
 
 
+@pytest.mark.process
 @pytest.mark.timeout(30)  # the bound: wait_for_first must return, not hang
 def test_wait_for_first_times_out_with_clear_message():
     with ReplayServer([make_variables_table()]) as server:
@@ -392,6 +402,7 @@ def test_wait_for_first_times_out_with_clear_message():
                 client.wait_for_first(timeout_s=1.5)
 
 
+@pytest.mark.process
 @pytest.mark.timeout(60)
 def test_update_counts_several_env_steps_at_once():
     with ReplayServer([make_variables_table()]) as server:
@@ -410,6 +421,7 @@ def test_update_counts_several_env_steps_at_once():
                 client.update(steps=0)
 
 
+@pytest.mark.process
 @pytest.mark.timeout(60)
 def test_bad_payload_is_rejected_once_and_last_params_kept():
     with ReplayServer([make_variables_table()]) as server:
@@ -433,6 +445,7 @@ def test_bad_payload_is_rejected_once_and_last_params_kept():
             assert client.version == 7 and client.rejected == 2
 
 
+@pytest.mark.process
 @pytest.mark.timeout(60)
 def test_adder_writes_time_out_when_the_server_is_gone():
     config = ReplayTableConfig(max_size=1000, min_size=1, samples_per_insert=None)
@@ -448,6 +461,7 @@ def test_adder_writes_time_out_when_the_server_is_gone():
         adder.close()
 
 
+@pytest.mark.process
 @pytest.mark.timeout(60)
 def test_new_items_enter_at_the_priority_set_on_the_adder():
     config = ReplayTableConfig(max_size=1000, min_size=1, samples_per_insert=None, prioritized=True)
@@ -460,6 +474,7 @@ def test_new_items_enter_at_the_priority_set_on_the_adder():
         assert {s.info.priority for s in samples} == {7.5}
 
 
+@pytest.mark.process
 @pytest.mark.timeout(120)
 def test_replay_checkpoint_restores_the_table(tmp_path):
     config = ReplayTableConfig(max_size=1000, min_size=1, samples_per_insert=None, prioritized=True)
@@ -501,6 +516,7 @@ def _actor_main(address: str, seed: int) -> None:
         feed(adder, random_episode(rng, 50, terminal=False))
 
 
+@pytest.mark.process
 @pytest.mark.timeout(150)
 def test_killed_actor_leaves_server_usable():
     config = ReplayTableConfig(max_size=100_000, min_size=1, samples_per_insert=None)

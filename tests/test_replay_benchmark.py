@@ -5,17 +5,17 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from launch_support import BENCHMARKS, ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.process
 
 
 @pytest.mark.timeout(240)
 def test_variables_benchmark_quick_runs(tmp_path):
     out = tmp_path / "variables.json"
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "variables.py"), "--quick",
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "variables.py"), "--quick",
                              "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=220)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "refresh ms" in result.stdout

@@ -36,6 +36,7 @@ def _insert(client: reverb.Client, count: int, start: int = 0) -> None:
             writer.flush(block_until_num_items=0, timeout_ms=2000)
 
 
+@pytest.mark.process
 @pytest.mark.timeout(120)
 def test_min_size_regime_lets_actors_insert_while_the_learner_is_stopped():
     builder = _d4pg_builder(rate_limiter="min_size", max_times_sampled=2)
@@ -48,6 +49,7 @@ def test_min_size_regime_lets_actors_insert_while_the_learner_is_stopped():
         assert client.server_info(timeout=5)["replay"].current_size == 200
 
 
+@pytest.mark.process
 @pytest.mark.timeout(120)
 def test_ratio_regime_holds_actors_back_while_the_learner_is_stopped():
     builder = _d4pg_builder(rate_limiter="ratio", samples_per_insert=4.0)
@@ -57,6 +59,7 @@ def test_ratio_regime_holds_actors_back_while_the_learner_is_stopped():
             _insert(server.client(), 200)
 
 
+@pytest.mark.process
 @pytest.mark.timeout(120)
 def test_min_size_regime_removes_an_item_after_max_times_sampled_samples():
     builder = _d4pg_builder(rate_limiter="min_size", max_times_sampled=3, min_replay_size=1)
@@ -100,6 +103,7 @@ def _timestep(step_type: int, observation_value: float):
                            np.float32(1.0) if step_type else None, np.full(OBS_DIM, observation_value, np.float32))
 
 
+@pytest.mark.process
 @pytest.mark.timeout(120)
 def test_adder_reports_the_time_the_rate_limiter_held_it():
     import threading

@@ -2,7 +2,6 @@
 
 import json
 import math
-import os
 import signal
 import subprocess
 import sys
@@ -12,24 +11,18 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from launch_support import ENV, ROOT, TINY, load_script, usage_error
 
 from actorq_jax import analysis
 
-REPO = Path(__file__).resolve().parent.parent
-PYTHON = sys.executable
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
-# A tiny D4PG config: small networks and budgets so one run takes about a minute on a busy 2-core machine.
-TINY_RUN_FLAGS = [
-    "--task", "cartpole_balance", "--num_actors", "1", "--policy_layers", "32,32", "--critic_layers", "64,64",
-    "--batch_size", "32", "--min_replay_size", "200", "--samples_per_insert", "8", "--eval_period", "100",
-    "--max_env_steps", "1100",
-]
+# The tiny D4PG run with a short budget and fewer evaluations: one run takes about a minute on a busy 2-core machine.
+TINY_RUN_FLAGS = [*TINY, "--num_actors", "1", "--eval_period", "100", "--max_env_steps", "1100"]
 
 
-def _run(args, timeout, env=None):
-    return subprocess.run([PYTHON, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+def _run(args, timeout):
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
 # -- synthetic results directories ------------------------------------------------------------------------------
@@ -215,6 +208,8 @@ def test_markdown_table_and_report_on_synthetic_sweep(synthetic_sweep, tmp_path)
     assert "## cartpole_balance" in written["results_md"].read_text()
 
 
+@pytest.mark.process
+@pytest.mark.timeout(150)
 def test_analysis_imports_without_jax():
     code = "import sys, actorq_jax.analysis; assert 'jax' not in sys.modules, 'analysis imported jax'"
     assert _run(["-c", code], timeout=120).returncode == 0
@@ -223,7 +218,6 @@ def test_analysis_imports_without_jax():
 # -- command-line checks that start no run ----------------------------------------------------------------------
 
 
-@pytest.mark.timeout(120)
 @pytest.mark.parametrize("flags, named", [
     (["--bits", "32,12"], "--bits"),
     (["--bits", "32,x"], "--bits"),
@@ -232,11 +226,21 @@ def test_analysis_imports_without_jax():
     (["--seed", "3"], "--seed"),
     (["--num_actors", "0"], "--num_actors"),
 ])
-def test_sweep_bad_flags_exit_2_naming_the_flag(tmp_path, flags, named):
-    result = _run(["experiments/sweep.py", "--agent", "d4pg", "--results_dir", str(tmp_path / "s"), *flags], 60)
-    assert result.returncode == 2, result.stderr
-    assert named in result.stderr
+def test_sweep_bad_flags_exit_2_naming_the_flag(tmp_path, flags, named, capsys):
+    # A stand-in run script: a flag accepted by mistake would run it, not a real run.
+    script = _stand_in_run_script(tmp_path / "never_run.py", "")
+    err = usage_error(capsys, lambda: load_script("sweep").run_sweep(
+        ["--agent", "d4pg", "--results_dir", str(tmp_path / "s"), "--run_script", str(script), *flags]))
+    assert named in err
     assert not (tmp_path / "s").exists()  # nothing started
+
+
+@pytest.mark.process
+@pytest.mark.timeout(120)
+def test_the_sweep_script_exits_2_naming_a_bad_flag(tmp_path):
+    result = _run(["experiments/sweep.py", "--agent", "d4pg", "--results_dir", str(tmp_path / "s"), "--bits", "32,12"], 100)
+    assert result.returncode == 2 and "--bits" in result.stderr, result.stderr
+    assert not (tmp_path / "s").exists()
 
 
 def _stand_in_run_script(path: Path, body: str) -> Path:
@@ -249,6 +253,7 @@ def _stand_in_run_script(path: Path, body: str) -> Path:
     return path
 
 
+@pytest.mark.process
 @pytest.mark.timeout(120)
 def test_sweep_records_a_failed_run_and_goes_on(tmp_path):
     # Fails for q=16, succeeds otherwise, and records the flags it got.
@@ -274,6 +279,7 @@ def test_sweep_records_a_failed_run_and_goes_on(tmp_path):
     assert "4/6 runs ok" in result.stdout
 
 
+@pytest.mark.process
 @pytest.mark.timeout(150)
 def test_sweep_sigterm_stops_the_current_run_and_the_sweep(tmp_path):
     # A run that waits until it is told to stop, and records that it was.
@@ -287,9 +293,9 @@ def test_sweep_sigterm_stops_the_current_run_and_the_sweep(tmp_path):
         "sys.exit(5)\n"
     )
     sweep_dir = tmp_path / "s"
-    sweep = subprocess.Popen([PYTHON, "experiments/sweep.py", "--agent", "d4pg", "--bits", "32,8",
+    sweep = subprocess.Popen([sys.executable, "experiments/sweep.py", "--agent", "d4pg", "--bits", "32,8",
                               "--results_dir", str(sweep_dir), "--run_script", str(script)],
-                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                             cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         first = sweep_dir / "d4pg_cartpole_balance_q32_s0"
         deadline = time.monotonic() + 90
@@ -324,6 +330,7 @@ def tiny_sweep(tmp_path_factory):
 SWEEP_TIMEOUT = 900
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.timeout(SWEEP_TIMEOUT)
 def test_sweep_produces_runs_and_index(tiny_sweep):
@@ -344,11 +351,12 @@ def test_sweep_produces_runs_and_index(tiny_sweep):
         assert config["run"]["actor_bits"] == entry["bits"] and config["run"]["seed"] == 0
         assert config["run"]["results_dir"] == str(run_dir)
         # Pass-through flags reached the run unchanged.
-        assert config["agent"]["policy_layers"] == [32, 32] and config["agent"]["min_replay_size"] == 200
+        assert config["agent"]["policy_layers"] == [16, 16] and config["agent"]["min_replay_size"] == 100
         assert config["run"]["max_env_steps"] == 1100 and config["run"]["num_actors"] == 1
         assert (sweep_dir / entry["log"]).is_file()
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.timeout(SWEEP_TIMEOUT)
 def test_plot_writes_pngs_and_table(tiny_sweep, tmp_path):
@@ -368,6 +376,7 @@ def test_plot_writes_pngs_and_table(tiny_sweep, tmp_path):
     assert "| q=8" in result.stdout and "time to target (s)" in result.stdout  # the printed table
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.timeout(SWEEP_TIMEOUT)
 def test_notebook_executes_on_the_sweep(tiny_sweep, monkeypatch):
@@ -376,10 +385,10 @@ def test_notebook_executes_on_the_sweep(tiny_sweep, monkeypatch):
 
     sweep_dir, _ = tiny_sweep
     monkeypatch.setenv("ACTORQ_SWEEP_DIR", str(sweep_dir))  # the kernel inherits the environment
-    notebook = nbformat.read(REPO / "notebooks" / "results.ipynb", as_version=4)
+    notebook = nbformat.read(ROOT / "notebooks" / "results.ipynb", as_version=4)
     assert notebook.metadata["kernelspec"]["name"] == "python3"
     client = nbclient.NotebookClient(notebook, kernel_name="python3", timeout=240,
-                                     resources={"metadata": {"path": str(REPO / "notebooks")}})
+                                     resources={"metadata": {"path": str(ROOT / "notebooks")}})
     client.execute()  # raises CellExecutionError on any failing cell
     outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs]
     text = "".join(o.get("text", "") for o in outputs)
@@ -388,6 +397,7 @@ def test_notebook_executes_on_the_sweep(tiny_sweep, monkeypatch):
     assert any("time to target" in o.get("data", {}).get("text/markdown", "") for o in outputs)
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.timeout(SWEEP_TIMEOUT)
 def test_ptq_sweep_writes_one_row_per_bits(tiny_sweep, tmp_path):
@@ -406,6 +416,7 @@ def test_ptq_sweep_writes_one_row_per_bits(tiny_sweep, tmp_path):
     assert out.with_suffix(".png").read_bytes()[:8] == PNG_MAGIC
 
 
+@pytest.mark.process
 @pytest.mark.timeout(300)
 def test_ptq_sweep_int8_runs_the_packing_int8_actors_run(tmp_path):
     # A run directory holding an untrained D4PG learner's checkpoint: enough for the sweep to restore and play.
@@ -437,12 +448,17 @@ def test_ptq_sweep_int8_runs_the_packing_int8_actors_run(tmp_path):
     assert ptq["kernel_mode"].to_dict() == {4: "w4a8", 8: "w8a8", 16: "", 32: ""}
 
 
+@pytest.mark.parametrize("bits, named", [("32", "--checkpoint"), ("9", "--bits")])
+def test_ptq_sweep_bad_flags_exit_2(tmp_path, capsys, bits, named):
+    err = usage_error(capsys, lambda: load_script("ptq_sweep").main(["--checkpoint", str(tmp_path), "--bits", bits]))
+    assert named in err
+
+
+@pytest.mark.process
 @pytest.mark.timeout(120)
-def test_ptq_sweep_bad_flags_exit_2(tmp_path):
-    result = _run(["experiments/ptq_sweep.py", "--checkpoint", str(tmp_path), "--bits", "32"], 60)
-    assert result.returncode == 2 and "--checkpoint" in result.stderr
-    result = _run(["experiments/ptq_sweep.py", "--checkpoint", str(tmp_path), "--bits", "9"], 60)
-    assert result.returncode == 2 and "--bits" in result.stderr
+def test_the_ptq_sweep_script_exits_2_naming_a_bad_flag(tmp_path):
+    result = _run(["experiments/ptq_sweep.py", "--checkpoint", str(tmp_path), "--bits", "9"], 100)
+    assert result.returncode == 2 and "--bits" in result.stderr, result.stderr
 
 
 def test_final_and_best_returns_of_one_run_as_the_launcher_summarises_them():

@@ -283,6 +283,7 @@ def test_write_json_numpy_nan_and_atomic_replace(tmp_path):
 # ----------------------------------------------------------------- EnergyTracker
 
 
+@pytest.mark.process  # codecarbon probes the hardware with subprocesses (rocm-smi, nvidia-smi)
 @pytest.mark.timeout(30)
 def test_energy_tracker_measures_a_busy_interval(tmp_path):
     tracker = EnergyTracker(tmp_path, country_iso_code="FRA")
@@ -297,6 +298,8 @@ def test_energy_tracker_measures_a_busy_interval(tmp_path):
     assert (tmp_path / "emissions.csv").exists()
 
 
+@pytest.mark.process  # codecarbon probes the hardware with subprocesses
+@pytest.mark.timeout(30)
 def test_energy_tracker_rejects_unknown_country(tmp_path):
     with pytest.raises(ValueError, match="XYZ"):
         EnergyTracker(tmp_path, country_iso_code="XYZ")
@@ -304,6 +307,7 @@ def test_energy_tracker_rejects_unknown_country(tmp_path):
         EnergyTracker(tmp_path, tracking_mode="everything")
 
 
+@pytest.mark.process  # codecarbon probes the hardware with subprocesses
 @pytest.mark.timeout(30)
 def test_energy_tracker_reports_nan_when_codecarbon_fails(tmp_path, monkeypatch, caplog):
     import codecarbon

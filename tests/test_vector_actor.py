@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 import reverb
-from launch_support import ENV, ROOT, TINY
+from launch_support import ENV, ROOT, TINY, usage_error
 from launch_support import rows as csv_rows
 
 from actorq_jax import kernels
@@ -23,6 +23,7 @@ from actorq_jax.environments import environment_spec, make_environment
 from actorq_jax.launch import actor as actor_module
 from actorq_jax.launch import runtime, vector_env
 from actorq_jax.launch.config import RunConfig
+from actorq_jax.launch.flags import parse_run
 from actorq_jax.launch.precision import ActorPrecision, make_param_loader
 from actorq_jax.quantization import QuantConfig, quantize
 from actorq_jax.replay import ReplayServer, Transition, VariablePublisher, make_variables_table, transition_signature
@@ -77,6 +78,7 @@ def _act(server, run, agent_config, actor_id, seeds, episodes, log_dir, monkeypa
     return read_csv(log_dir / f"actor_{actor_id}.csv"), _items(server)
 
 
+@pytest.mark.process
 @pytest.mark.timeout(300)
 def test_k3_actor_writes_the_items_of_three_one_environment_actors(tmp_path, monkeypatch):
     # MountainCar episodes are cut at 200 steps (a fresh Q-network never reaches the flag), so all K
@@ -94,6 +96,7 @@ def test_k3_actor_writes_the_items_of_three_one_environment_actors(tmp_path, mon
     assert sum(batched.values()) == 600 and batched == singles
 
 
+@pytest.mark.process
 @pytest.mark.timeout(300)
 def test_environments_end_and_restart_their_episodes_on_their_own(tmp_path, monkeypatch):
     agent_config, one, vector = _dqn_runs("CartPole-v1", tmp_path)
@@ -148,16 +151,14 @@ def test_environment_seeds_keep_the_one_environment_actor_and_differ_across_envi
         vector_env.env_seeds(7, 2, 1, 0)
 
 
-@pytest.mark.timeout(120)
 @pytest.mark.parametrize("value", ["0", "-3"])
-def test_bad_envs_per_actor_exits_2_naming_the_flag(value, tmp_path):
-    proc = subprocess.run([sys.executable, "experiments/run_d4pg.py", "--envs_per_actor", value,
-                           "--results_dir", str(tmp_path / "r")], cwd=ROOT, env=ENV, capture_output=True, text=True,
-                          timeout=100)
-    assert proc.returncode == 2 and "--envs_per_actor" in proc.stderr, proc.stderr[-2000:]
+def test_bad_envs_per_actor_exits_2_naming_the_flag(value, tmp_path, capsys):
+    err = usage_error(capsys, lambda: parse_run("d4pg", ["--envs_per_actor", value, "--results_dir", str(tmp_path / "r")]))
+    assert "--envs_per_actor" in err, err[-2000:]
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.process
 @pytest.mark.timeout(400)
 def test_a_launched_run_steps_k_environments_per_actor(tmp_path):
     results = tmp_path / "run"
