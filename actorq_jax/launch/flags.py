@@ -9,6 +9,7 @@ before any process starts, naming the flag.
 import argparse
 import dataclasses
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence, Tuple
@@ -30,7 +31,8 @@ def build_parser(agent: str, description: Optional[str] = None) -> argparse.Argu
     add_config_flags(run, RunConfig, skip=_SPECIAL_RUN_FIELDS)
     run.set_defaults(task=entry.default_task, results_dir=None)
     run.add_argument("--resume", default=None, metavar="RESULTS_DIR",
-                     help="continue the run in RESULTS_DIR from its last checkpoint (budget flags may be raised)")
+                     help="continue the run in RESULTS_DIR from its last checkpoint (budget flags may be raised, "
+                          "*_learning_rate flags changed)")
     add_config_flags(parser.add_argument_group(f"{agent} hyper-parameters"), entry.config_class)
     return parser
 
@@ -41,7 +43,7 @@ def parse_run(agent: str, argv: Optional[Sequence[str]], description: Optional[s
     parser = build_parser(agent, description)
     args = parser.parse_args(argv)
     if args.resume:
-        return _resume(parser, args)
+        return _resume(parser, args, list(sys.argv[1:] if argv is None else argv))
     values = {f.name: getattr(args, f.name) for f in flag_fields(RunConfig, skip=_SPECIAL_RUN_FIELDS)}
     values["agent"] = agent
     if values["results_dir"] is None:
@@ -78,7 +80,16 @@ def parse_run(agent: str, argv: Optional[Sequence[str]], description: Optional[s
     return RunConfig(**values), agent_config
 
 
-def _resume(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Tuple[RunConfig, Any]:
+def resumable_agent_fields(config_class: Any) -> Tuple[str, ...]:
+    """Agent hyper-parameters a resumed run may change: step sizes (a diverged run resumes with a smaller one)."""
+    return tuple(f.name for f in dataclasses.fields(config_class) if f.name.endswith("learning_rate"))
+
+
+def _given(argv: Sequence[str], name: str) -> bool:
+    return any(arg == f"--{name}" or arg.startswith(f"--{name}=") for arg in argv)
+
+
+def _resume(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str]) -> Tuple[RunConfig, Any]:
     path = Path(args.resume) / "config.json"
     if not path.exists():
         parser.error(f"--resume: {args.resume} has no config.json (not a results directory)")
@@ -91,7 +102,8 @@ def _resume(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Tuple[
     overrides = {k: getattr(args, k) for k in BUDGETS if getattr(args, k) is not None}
     if args.ray_address:
         overrides["ray_address"] = args.ray_address
+    agent_overrides = {k: getattr(args, k) for k in resumable_agent_fields(type(agent_config)) if _given(argv, k)}
     try:
-        return dataclasses.replace(run, resume=True, **overrides), agent_config
+        return dataclasses.replace(run, resume=True, **overrides), dataclasses.replace(agent_config, **agent_overrides)
     except ValueError as error:
         parser.error(str(error))

@@ -222,6 +222,11 @@ class Launcher:
         while not self.stop.wait(0.25):
             if replay.process.poll() is not None and not self._restart(replay, run.max_replay_restarts, "address"):
                 return 1
+            if learner.process.poll() == runtime.EXIT_DIVERGED:
+                # Restarting would diverge again from the same checkpoint: the user changes a setting and resumes.
+                report = runtime.read_status(self.results_dir, "learner")
+                self._say(report.get("message") or f"learner diverged (exit code {runtime.EXIT_DIVERGED})")
+                return 1
             if learner.process.poll() is not None and not self._restart(learner, run.max_learner_restarts, "phase"):
                 return 1
             status = runtime.read_status(self.results_dir, "learner")

@@ -56,6 +56,10 @@ class ServiceGone(RuntimeError):
     """The replay service stayed unreachable for longer than the learner's server timeout."""
 
 
+class Diverged(RuntimeError):
+    """A loss or a parameter of the learner is no longer finite."""
+
+
 class Learner:
     """Pulls batches from replay, applies the agent's pure `sgd_step`, publishes and checkpoints."""
 
@@ -143,6 +147,12 @@ class Learner:
     def last_call_steps(self) -> int:
         """SGD steps the last call made (1, or sgd_steps_per_call)."""
         return self.run.sgd_steps_per_call if self._multi_step is not None else 1
+
+    def non_finite(self, metrics: Optional[Dict[str, Any]] = None) -> Optional[str]:
+        """What is not finite in the last call's metrics or the learner state (None when all is)."""
+        from actorq_jax.finite import first_non_finite
+
+        return first_non_finite(metrics or {}) or first_non_finite(self.state, "state ")
 
     def checkpoint(self) -> bool:
         """Has the service checkpoint replay, then saves state and counters naming it; whether it was saved."""
@@ -278,8 +288,9 @@ def drop_rows_after(path: Path, step: int) -> None:
     os.replace(tmp, path)
 
 
-def run_learner(run: RunConfig, agent_config: Any, address: str, stop: threading.Event) -> None:
-    """Learner main loop against the replay service at `address` until `stop` or a learner-step budget."""
+def run_learner(run: RunConfig, agent_config: Any, address: str, stop: threading.Event) -> int:
+    """Learner main loop against the replay service at `address` until `stop` or a learner-step budget; the exit
+    code (runtime.EXIT_DIVERGED when a loss or parameter stopped being finite)."""
     results_dir = Path(run.results_dir)
     spec = environment_spec(make_environment(run.task, seed=run.seed))
     learner = Learner(runtime.make_builder(run.agent, agent_config, spec), run, results_dir, address)
@@ -290,13 +301,34 @@ def run_learner(run: RunConfig, agent_config: Any, address: str, stop: threading
     report = StatusReport(learner, start, runtime.status_file(results_dir, "learner"))
     report("running")
     try:
-        while not stop.is_set() and not (run.max_learner_steps is not None and learner.steps >= run.max_learner_steps):
-            metrics = learner.step()
-            if metrics is not None:
-                _after_step(learner, csv_log, metrics)
-            report.maybe("running")
-    finally:
-        _hand_over(learner, csv_log, report)
+        try:
+            while not stop.is_set() and not (run.max_learner_steps is not None
+                                             and learner.steps >= run.max_learner_steps):
+                metrics = learner.step()
+                if metrics is not None:
+                    _after_step(learner, csv_log, metrics)
+                report.maybe("running")
+        except Diverged:
+            raise
+        except BaseException:
+            _hand_over(learner, csv_log, report)  # whatever stopped the loop, keep what can be kept
+            raise
+        problem = learner.non_finite()  # the final checkpoint is checked like every other
+        if problem:
+            raise Diverged(problem)
+    except Diverged as error:
+        last = learner.checkpointer.latest_step()
+        message = (f"learner diverged at step {learner.steps}: {error}; "
+                   + (f"last finite checkpoint at step {last}" if last is not None else "no checkpoint was written"))
+        log.error("%s", message)
+        # Nothing more is published or checkpointed: the run's last checkpoint stays the last finite one.
+        learner.publisher.close(timeout_s=0.0)
+        learner.checkpointer.close()
+        csv_log.close()
+        report("diverged", message=message)
+        return runtime.EXIT_DIVERGED
+    _hand_over(learner, csv_log, report)
+    return 0
 
 
 def crossed(before: int, after: int, period: int) -> bool:
@@ -310,13 +342,22 @@ def _after_step(learner: Learner, csv_log: LearnerLog, metrics: Dict[str, Any]) 
     run, steps = learner.run, learner.steps
     before = steps - learner.last_call_steps
     evaluation = crossed(before, steps, run.eval_period)
-    if learner.publish_due() or evaluation:
+    publish = learner.publish_due() or evaluation
+    log_row = crossed(before, steps, LOG_EVERY_STEPS)
+    checkpoint = crossed(before, steps, run.checkpoint_period)
+    # Checked whenever something would leave the learner: nothing non-finite is published, logged as a
+    # good row, or checkpointed (one small jitted reduction per publication, against an SGD step's cost).
+    if publish or log_row or checkpoint:
+        problem = learner.non_finite(metrics)
+        if problem:
+            raise Diverged(problem)
+    if publish:
         learner.publish(evaluation=evaluation)
     # The row before the checkpoint: a checkpoint at step N then implies row N is on disk, so a learner
     # killed right after it (and restored to it) never loses the rows its checkpoint accounts for.
-    if crossed(before, steps, LOG_EVERY_STEPS):
+    if log_row:
         csv_log.write(steps, learner.env_steps(), metrics, learner.publisher.totals())
-    if crossed(before, steps, run.checkpoint_period):
+    if checkpoint:
         learner.checkpoint()
 
 
@@ -329,9 +370,10 @@ class StatusReport:
         self.path = path
         self.last = 0.0
 
-    def __call__(self, phase: str) -> None:
+    def __call__(self, phase: str, **extra: Any) -> None:
         learner = self.learner
         write_json(self.path, {
+            **extra,
             "phase": phase,
             "pid": os.getpid(),
             "address": learner.address,  # the replay service it samples

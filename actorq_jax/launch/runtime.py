@@ -11,6 +11,8 @@ from typing import Any, Dict, Optional, Tuple
 VARIABLES_TABLE = "variables"  # the actors' policy at comm_bits, refreshed every publish_period
 EVAL_VARIABLES_TABLE = "eval_variables"  # the float32 policy, refreshed every eval_period
 CONFIG_TABLE = "config"  # config.json as uint8, so remote actors run the same configuration
+# The learner's exit code when a loss or parameter stopped being finite: restarting it would diverge again.
+EXIT_DIVERGED = 4
 
 
 def thread_env(threads: int) -> Dict[str, str]:

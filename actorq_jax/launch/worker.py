@@ -67,8 +67,7 @@ def main(argv: Optional[list] = None) -> int:
         from actorq_jax.launch.learner import run_learner
 
         # The learner never blocks for long (every service call is bounded): run it on the main thread.
-        run_learner(run, agent_config, args.server, stop)
-        return 0
+        return run_learner(run, agent_config, args.server, stop)
     if args.role == "actor":
         from actorq_jax.launch.actor import run_actor
 

@@ -84,6 +84,12 @@ class VariablePublisher:
         """Publishes params (a float32 pytree) as `version` (with `meta` numbers); returns bytes and stage times."""
         if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or version < 0:
             raise ValueError(f"version must be an int >= 0, got version={version!r}")
+        from actorq_jax.finite import first_non_finite
+
+        problem = first_non_finite(params, "parameter ")
+        if problem:
+            # Actors would reject it anyway and go on with stale weights, looking alive: refuse at the source.
+            raise ValueError(f"refusing to publish version {version}: {problem}")
         t0 = time.perf_counter()
         qparams = quantize(params, self.config)
         t1 = time.perf_counter()

@@ -1,0 +1,88 @@
+"""A learner whose losses or parameters stop being finite stops at once, says where, and can be resumed."""
+
+import json
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from launch_support import ENV, ROOT, TINY, rows
+
+from actorq_jax.finite import first_non_finite
+from actorq_jax.launch.checkpoint import finished_steps
+from actorq_jax.launch.flags import parse_run
+
+
+def test_first_non_finite_names_the_leaf_and_the_kind():
+    assert first_non_finite({"critic_loss": jnp.float32(0.5), "policy_loss": jnp.float32(np.nan)}) == "policy_loss is nan"
+    tree = {"critic": {"w": jnp.ones((2, 2)), "b": jnp.array([1.0, -np.inf])}}
+    assert first_non_finite(tree, "state ") == "state critic/b is inf"
+    # Integer leaves (step counters, replay keys) cannot be non-finite and are skipped.
+    assert first_non_finite({"steps": np.arange(3), "loss": jnp.float32(1.0)}) is None
+
+
+def test_a_resumed_run_may_change_its_step_sizes_and_nothing_else(tmp_path, capsys):
+    results = tmp_path / "run"
+    run, agent = parse_run("d4pg", [*TINY, "--results_dir", str(results)])
+    from actorq_jax.launch.config import save_config
+
+    results.mkdir()
+    save_config(results / "config.json", run, agent)
+    _, resumed = parse_run("d4pg", ["--resume", str(results), "--critic_learning_rate", "1e-5"])
+    assert resumed.critic_learning_rate == 1e-5 and resumed.policy_learning_rate == agent.policy_learning_rate
+    # Flags that were not given keep the run's values, even where they differ from the defaults.
+    _, same = parse_run("d4pg", ["--resume", str(results), "--batch_size", "64"])
+    assert same.batch_size == agent.batch_size == 16
+
+
+@pytest.mark.process
+@pytest.mark.timeout(120)
+def test_the_publisher_refuses_non_finite_parameters():
+    from actorq_jax.quantization import QuantConfig
+    from actorq_jax.replay import ReplayServer, VariablePublisher, make_variables_table
+
+    with ReplayServer([make_variables_table("variables")]) as server:
+        publisher = VariablePublisher(server.client(), "variables", QuantConfig(bits=8))
+        params = {"layer": {"w": jnp.ones((4, 4)), "b": jnp.zeros(4)}}
+        publisher.publish(params, 1)
+        bad = {"layer": {"w": jnp.ones((4, 4)).at[0, 0].set(jnp.nan), "b": jnp.zeros(4)}}
+        with pytest.raises(ValueError, match="refusing to publish version 2: parameter layer/w is nan"):
+            publisher.publish(bad, 2)
+        assert publisher.published == 1
+        assert server.client().server_info(timeout=5)["variables"].current_size == 1
+
+
+def _run(*flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "experiments/run_d4pg.py", *flags], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=240)
+
+
+@pytest.mark.process
+@pytest.mark.timeout(600)
+def test_a_diverging_learner_stops_the_run_keeping_the_last_finite_checkpoint_and_resumes(tmp_path):
+    results = tmp_path / "run"
+    first = _run(*TINY, "--max_learner_steps", "100", "--results_dir", str(results))
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    assert finished_steps(results / "checkpoints") == [100]
+
+    # A step size that blows the critic up within a few steps.
+    diverged = _run("--resume", str(results), "--critic_learning_rate", "1e30", "--max_learner_steps", "400")
+    assert diverged.returncode == 1, diverged.stdout[-2000:] + diverged.stderr[-2000:]
+    lines = [line for line in diverged.stderr.splitlines() if "learner diverged at step" in line]
+    assert len(lines) == 1, diverged.stderr[-3000:]
+    assert "is nan" in lines[0] or "is inf" in lines[0]
+    assert lines[0].endswith("last finite checkpoint at step 100"), lines[0]
+    assert "Traceback" not in diverged.stderr
+    # Nothing after the divergence was checkpointed or logged as a good row.
+    assert finished_steps(results / "checkpoints") == [100]
+    assert all(np.isfinite(r["critic_loss"]) for r in rows(results / "learner.csv"))
+    summary = json.loads((results / "summary.json").read_text())
+    assert summary["exit_code"] == 1 and summary["learner_restarts"] == 0
+
+    # The user lowers the step size and resumes from the last finite checkpoint.
+    resumed = _run("--resume", str(results), "--critic_learning_rate", "1e-4", "--max_learner_steps", "200")
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert json.loads((results / "status" / "learner.json").read_text())["restored"]["learner_steps"] == 100
+    assert json.loads((results / "summary.json").read_text())["learner_steps"] == 200
+    assert json.loads((results / "config.json").read_text())["agent"]["critic_learning_rate"] == 1e-4
