@@ -1,4 +1,5 @@
-"""A learner whose losses or parameters stop being finite stops at once, says where, and can be resumed."""
+"""A learner whose losses or parameters stop being finite stops at once, says where, and can be resumed;
+a results directory that cannot be written is refused before anything starts."""
 
 import json
 import subprocess
@@ -86,3 +87,14 @@ def test_a_diverging_learner_stops_the_run_keeping_the_last_finite_checkpoint_an
     assert json.loads((results / "status" / "learner.json").read_text())["restored"]["learner_steps"] == 100
     assert json.loads((results / "summary.json").read_text())["learner_steps"] == 200
     assert json.loads((results / "config.json").read_text())["agent"]["critic_learning_rate"] == 1e-4
+
+
+def test_a_results_dir_that_cannot_be_created_is_refused_naming_the_flag(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    with pytest.raises(SystemExit) as exit_info:
+        parse_run("d4pg", [*TINY, "--results_dir", str(blocker / "run")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--results_dir: {blocker / 'run'} cannot be created: {blocker} is a file, not a directory" in err
+    assert blocker.read_text() == "not a directory"

@@ -68,6 +68,9 @@ def parse_run(agent: str, argv: Optional[Sequence[str]], description: Optional[s
     if values["task"] not in tasks:
         parser.error(f"--task: unknown task {values['task']!r}; valid tasks: {', '.join(tasks)}")
     results = Path(values["results_dir"])
+    problem = results_dir_problem(results)
+    if problem:
+        parser.error(f"--results_dir: {problem}")
     if (results / "config.json").exists():
         parser.error(f"--results_dir: {results} already holds a run; pick another or use --resume {results}")
     agent_values = {f.name: getattr(args, f.name) for f in flag_fields(entry.config_class)}
@@ -78,6 +81,25 @@ def parse_run(agent: str, argv: Optional[Sequence[str]], description: Optional[s
         field = str(error).split(" ", 1)[0].rpartition(".")[2]
         parser.error(f"--{field}: {error}" if field in agent_values else str(error))
     return RunConfig(**values), agent_config
+
+
+def results_dir_problem(path: Path) -> Optional[str]:
+    """Why a run cannot write its results under `path` (None when it can): found before anything starts."""
+    import tempfile
+
+    existing = Path(path).absolute()
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{path} cannot be created: {existing} is a file, not a directory"
+    try:
+        # Permission bits say nothing to root, and nothing of a read-only or full file system: try a write.
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".actorq-probe-") as probe:
+            probe.write(b"x")
+            probe.flush()
+    except OSError as error:
+        return f"{path} cannot be written: {error.strerror or error} (in {existing})"
+    return None
 
 
 def resumable_agent_fields(config_class: Any) -> Tuple[str, ...]:
@@ -93,6 +115,9 @@ def _resume(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Seq
     path = Path(args.resume) / "config.json"
     if not path.exists():
         parser.error(f"--resume: {args.resume} has no config.json (not a results directory)")
+    problem = results_dir_problem(Path(args.resume))
+    if problem:
+        parser.error(f"--resume: {problem}")
     try:
         run, agent_config = config_from_json(path.read_text())
     except ValueError as error:
