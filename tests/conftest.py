@@ -31,11 +31,27 @@ def _refuse(what: str) -> Any:
     return refused
 
 
+# Hardware probes that libraries run on first use (numpy.testing runs lscpu when imported): not the test's processes.
+_LIBRARY_PROBES = {"lscpu", "uname", "nvidia-smi", "rocm-smi"}
+_popen_init = subprocess.Popen.__init__
+
+
+def _program(args: Any) -> str:
+    first = args.split()[0] if isinstance(args, str) and args.split() else (list(args)[0] if args else "")
+    return os.path.basename(os.fspath(first))
+
+
+def _probes_only(self: subprocess.Popen, args: Any, *rest: Any, **kwargs: Any) -> None:
+    if _program(args) not in _LIBRARY_PROBES:
+        _refuse(f"a subprocess ({_program(args)})")()
+    _popen_init(self, args, *rest, **kwargs)
+
+
 @pytest.fixture(autouse=True)
 def _no_processes_in_the_unit_tier(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """In the unit tier, starting a subprocess, a multiprocessing child or a Reverb server fails the test."""
     if _unit_tier(request.config) and request.node.get_closest_marker("process") is None:
-        monkeypatch.setattr(subprocess.Popen, "__init__", _refuse("a subprocess"))
+        monkeypatch.setattr(subprocess.Popen, "__init__", _probes_only)
         monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", _refuse("a multiprocessing child"))
         if "reverb" in sys.modules:
             monkeypatch.setattr(sys.modules["reverb"].Server, "__init__", _refuse("a Reverb server"))

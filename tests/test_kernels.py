@@ -65,6 +65,10 @@ def _max_rel_err(y, ref):
     return float(np.max(np.abs(y - ref)) / max(float(np.max(np.abs(ref))), 1e-30))
 
 
+# The reference's jnp math compiled once per shape, instead of each of its operations compiled eagerly per shape.
+_reference = jax.jit(reference_int8_dense, static_argnames="activation")
+
+
 def test_pack_roundtrip_and_exact_size():
     rng = np.random.default_rng(0)
     for K, N in [(1, 1), (3, 17), (4, 16), (5, 33), (37, 45)]:
@@ -106,8 +110,8 @@ def test_w8a32_matches_reference(path):
         assert y.shape == (batch, N) and y.dtype == jnp.float32
         # The reference itself is the math: x @ (Wq * scale) + b.
         exact = x.astype(np.float64) @ (values.astype(np.float64) * scale) + bias
-        assert _max_rel_err(reference_int8_dense(x, w, bias), exact) < 1e-5
-        assert _max_rel_err(y, reference_int8_dense(x, w, bias)) < 1e-5, (path, batch, K, N)
+        assert _max_rel_err(_reference(x, w, bias), exact) < 1e-5
+        assert _max_rel_err(y, _reference(x, w, bias)) < 1e-5, (path, batch, K, N)
 
 
 @needs_kernel
@@ -119,13 +123,13 @@ def test_w8a8_matches_reference(path):
         # -128 weights included: the AVX2 sign trick must still be exact.
         x, w, bias, values, scale = _case(rng, batch, K, N, "w8a8", low=-128)
         x[0, :] = 0.0  # an all-zero row (row scale 0) must give the bias
-        ref = np.asarray(reference_int8_dense(x, w, bias))
+        ref = np.asarray(_reference(x, w, bias))
         y = np.asarray(fn(x, w, bias))
         np.testing.assert_array_equal(y[0], bias)
         assert _max_rel_err(y, ref) < 1e-5, (path, batch, K, N)
         # W8A8 = W8A32 math up to activation rounding (half a step of 1/127 per row).
         w32 = pack_dense(values, scale, "w8a32")
-        assert _max_rel_err(y, reference_int8_dense(x, w32, bias)) < 0.05
+        assert _max_rel_err(y, _reference(x, w32, bias)) < 0.05
 
 
 @needs_kernel
@@ -144,7 +148,7 @@ def test_w4a8_matches_reference_and_equals_w8a8(path):
         np.testing.assert_array_equal(np.asarray(w4.unpack()), values)
         y = np.asarray(fn(x, w4, bias))
         np.testing.assert_array_equal(y[0], bias)
-        assert _max_rel_err(y, reference_int8_dense(x, w4, bias)) < 1e-5, (path, batch, K, N)
+        assert _max_rel_err(y, _reference(x, w4, bias)) < 1e-5, (path, batch, K, N)
         # The same integers as W8A8 on the same weights: identical outputs on the same path.
         np.testing.assert_array_equal(y, np.asarray(fn(x, pack_dense(values, scale, "w8a8"), bias)))
 
@@ -169,12 +173,12 @@ def test_fused_activations_match_reference(path, mode):
                 w = pack_dense(np.clip(values, -8, 7), scale, "w4a8")
             # Pre-activations from about -50 to 50, and many near 0 (where elu and tanh bend).
             bias = (bias * np.where(np.arange(N) % 2 == 0, 20.0, 0.01)).astype(np.float32)
-            ref = np.asarray(reference_int8_dense(x, w, bias, activation))
+            ref = np.asarray(_reference(x, w, bias, activation))
             y = np.asarray(fn(x, w, bias))
             assert y.shape == ref.shape
             # All three are 1-Lipschitz: the matmul's tolerance carries over, plus the
             # kernel's exp approximation (about 1e-7).
-            pre_scale = float(np.abs(reference_int8_dense(x, w, bias)).max())
+            pre_scale = float(np.abs(_reference(x, w, bias)).max())
             np.testing.assert_allclose(y, ref, rtol=0, atol=1e-5 * pre_scale + 1e-6,
                                        err_msg=f"{path} {mode} {activation} {(batch, K, N)}")
             if mode != "w8a32" and path != "scalar":
