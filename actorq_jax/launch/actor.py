@@ -3,21 +3,22 @@
 An actor steps --envs_per_actor environments in lockstep (one batched policy call
 per step, one n-step adder stream per environment; see launch/vector_env.py).
 
-Remote actors join a running learner from another machine:
+Remote actors join a running run from another machine:
 
     python -m actorq_jax.launch.actor --server HOST:PORT --actor_id 7 --log_dir ./remote_logs
 
-The configuration (task, agent, bits...) is read from the learner's server, so a
+The configuration (task, agent, bits...) is read from the run's replay service, so a
 remote actor always runs the same experiment as the local ones. Its episode rows go
-to its --log_dir and, through the learner's server, to the run's results directory
+to its --log_dir and, through the replay service, to the run's results directory
 (launch/actor_rows.py); its id must not be one of the launcher's actors (0..N-1).
 
-No actor call blocks for long on its learner: writes wait at most WRITE_TIMEOUT_S
+No actor call blocks for long on the replay service: writes wait at most WRITE_TIMEOUT_S
 before the actor asks whether the server still answers (a busy learner's rate
 limiter holds writes legitimately; then the actor keeps waiting). A server that
-does not answer is retried until it has been gone for `server_timeout_s`; a
-learner that comes back on the same address (the launcher restarts it) gets its
-actors back, which abandon the episode in progress. Past the timeout the actor
+does not answer (killed, or stopped without dying) is retried until it has been
+gone for `server_timeout_s`; a service that answers again on the same address
+(the launcher restarts it, or the stopped process goes on) gets its actors back,
+which abandon the episode in progress. Past the timeout the actor
 says so in one line and exits with EXIT_SERVER_GONE; every finished episode is
 already in its CSV.
 """
@@ -48,11 +49,11 @@ DEFAULT_SERVER_TIMEOUT_S = 60.0
 
 
 class ServerGone(RuntimeError):
-    """The learner's server stayed unreachable for longer than the actor's server timeout."""
+    """The replay service stayed unreachable for longer than the actor's server timeout."""
 
 
 class Link:
-    """The actor's view of its learner's server: is it there, and how long has it been gone."""
+    """The actor's view of the replay service: is it there, and how long has it been gone."""
 
     def __init__(self, address: str, timeout_s: float, stop: threading.Event, version: Callable[[], Any]):
         self.address = address
@@ -82,11 +83,11 @@ class Link:
             if not counted:
                 self.outages += 1
                 counted = True
-                log.warning("learner at %s does not answer; retrying for up to %g s", self.address, self.timeout_s)
+                log.warning("replay service at %s does not answer; retrying for up to %g s", self.address, self.timeout_s)
             gone = time.monotonic() - since
             if gone > self.timeout_s:
                 raise ServerGone(
-                    f"learner at {self.address} unreachable for {gone:.0f} s (server_timeout_s {self.timeout_s:g}); "
+                    f"replay service at {self.address} unreachable for {gone:.0f} s (server_timeout_s {self.timeout_s:g}); "
                     f"last params version {self.version()}; exiting")
             self.stop.wait(PROBE_EVERY_S)
         return False
@@ -190,7 +191,7 @@ class Actor:
         if not self.link.wait(since=silent_since):
             return False  # stopped while waiting
         if self.link.outages > outages:
-            log.info("learner at %s answers again; reconnecting (params version %s)", self.address,
+            log.info("replay service at %s answers again; reconnecting (params version %s)", self.address,
                      self.variables.version)
         self._close_adders()
         self.variables.reconnect()
@@ -309,7 +310,7 @@ def run_actor(
     forwarder: Optional["RowForwarder"] = None,
 ) -> int:
     """Actor main loop: act, write transitions, log each episode (and send it with `forwarder`); 0, or
-    EXIT_SERVER_GONE when the learner left."""
+    EXIT_SERVER_GONE when the replay service left."""
     from actorq_jax.telemetry import ACTOR_FIELDS, CsvLogger
 
     actor = Actor(run, agent_config, actor_id, address, stop, restart, server_timeout_s)
@@ -337,12 +338,12 @@ def run_actor(
         logger.close()
         actor.close(server_gone=gone is not None)
         if forwarder is not None and (gone is not None or not forwarder.flush()):
-            log.warning("%d episode rows did not reach the learner's results directory; %s has them all",
+            log.warning("%d episode rows did not reach the run's results directory; %s has them all",
                         forwarder.unsent, csv_path)
 
 
 def fetch_config(address: str, timeout_s: float) -> str:
-    """config.json text published by the learner on its server; TimeoutError or ValueError saying what is wrong."""
+    """config.json text published on the run's replay service; TimeoutError or ValueError saying what is wrong."""
     from actorq_jax.launch.config import config_from_json
     from actorq_jax.replay import wait_for_server
 
@@ -350,7 +351,7 @@ def fetch_config(address: str, timeout_s: float) -> str:
     deadline = time.monotonic() + timeout_s
     while client.server_info(timeout=max(1, int(timeout_s)))[runtime.CONFIG_TABLE].current_size == 0:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the learner at {address} published no configuration within {timeout_s:g} s")
+            raise TimeoutError(f"the replay service at {address} published no configuration within {timeout_s:g} s")
         time.sleep(PROBE_EVERY_S)
     sample = next(client.sample(runtime.CONFIG_TABLE, num_samples=1, emit_timesteps=False))
     try:
@@ -362,9 +363,9 @@ def fetch_config(address: str, timeout_s: float) -> str:
 
 
 def main(argv: Optional[list] = None) -> int:
-    """Entry point of a (possibly remote) actor joining a running learner."""
-    parser = argparse.ArgumentParser(description="Join a running ActorQ learner as one more actor.")
-    parser.add_argument("--server", required=True, help="learner's Reverb address HOST:PORT (printed by the launcher)")
+    """Entry point of a (possibly remote) actor joining a running run."""
+    parser = argparse.ArgumentParser(description="Join a running ActorQ run as one more actor.")
+    parser.add_argument("--server", required=True, help="the run's replay service, HOST:PORT (printed by the launcher)")
     parser.add_argument("--actor_id", type=int, default=100, help="id used in logs and for seeding (default 100)")
     parser.add_argument("--log_dir", default="remote_actor_logs", help="where this actor writes actor_<id>.csv")
     parser.add_argument("--threads", type=int, default=1, help="XLA/intra-op threads of this actor (default 1)")
@@ -372,7 +373,7 @@ def main(argv: Optional[list] = None) -> int:
                         help="environments this actor steps in lockstep (default: the run's --envs_per_actor)")
     parser.add_argument("--max_episodes", type=int, default=None, help="stop after this many episodes")
     parser.add_argument("--server_timeout_s", type=float, default=None,
-                        help="seconds to keep reconnecting to an unreachable learner before exiting (default: the run's)")
+                        help="seconds to keep reconnecting to an unreachable replay service before exiting (default: the run's)")
     args = parser.parse_args(argv)
     if args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
@@ -407,7 +408,7 @@ def main(argv: Optional[list] = None) -> int:
     if taken:
         parser.error(taken)
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
-    # Rows also go to the learner, which writes them into the run's results directory.
+    # Rows also go to the replay service, which writes them into the run's results directory.
     forwarder = RowForwarder(args.server, WRITE_TIMEOUT_S)
     return run_actor(run, agent_config, args.actor_id, args.server, stop, Path(args.log_dir),
                      max_episodes=args.max_episodes, server_timeout_s=args.server_timeout_s, forwarder=forwarder)
