@@ -231,3 +231,40 @@ def test_a_learner_of_several_steps_per_call_trains_and_writes_back_every_priori
         assert learner.max_priority > 1.0
         learner.step()
         assert learner.steps == 8
+
+
+@pytest.mark.process
+@pytest.mark.timeout(300)
+def test_a_stopped_service_is_waited_for_within_the_timeout_and_given_up_past_it(tmp_path):
+    results = tmp_path / "run"
+    proc = start_run(results, *TINY, "--num_actors", "1", "--server_timeout_s", "8", "--max_seconds", "250")
+    try:
+        wait_for(lambda: status(results).get("learner_steps", 0) >= 20, 150, "the learner's first steps", proc)
+        launcher = psutil.Process(proc.pid)
+        learner, actor = worker_process(launcher, "learner"), worker_process(launcher, "actor", 0)
+        service = psutil.Process(status(results, "replay")["pid"])
+        # A server that stops answering without dying, for less than the timeout: everyone waits, nobody exits.
+        service.suspend()
+        time.sleep(3)
+        service.resume()
+        steps = status(results)["learner_steps"]
+        wait_for(lambda: status(results)["learner_steps"] > steps, 120, "learner steps after the pause", proc)
+        env_steps = status(results, "replay")["env_steps"]
+        wait_for(lambda: status(results, "replay")["env_steps"] > env_steps, 60, "inserts after the pause", proc)
+        assert actor.is_running() and worker_process(launcher, "actor", 0, restart=1) is None
+        # Past the timeout: the actor says so in one line and exits non-zero (the launcher then restarts it).
+        service.suspend()
+        time.sleep(14)
+        service.resume()
+        wait_for(lambda: worker_process(launcher, "actor", 0, restart=1), 60, "actor 0's restart", proc)
+        assert learner.is_running() and worker_process(launcher, "learner").pid == learner.pid
+        steps = status(results)["learner_steps"]
+        wait_for(lambda: status(results)["learner_steps"] > steps, 120, "learner steps after the long pause", proc)
+    finally:
+        output = _finish(proc) if proc.poll() is None else proc.communicate()[0]
+        stop_all(proc)
+    log = (results / "logs" / "actor_0.log").read_text()
+    lines = [line for line in log.splitlines() if "unreachable for" in line]
+    assert len(lines) == 1 and "replay service at localhost:" in lines[0] and "server_timeout_s 8" in lines[0], log[-2000:]
+    summary = json.loads((results / "summary.json").read_text())
+    assert any(e.startswith("actor_0 died (exit code 3)") for e in summary["events"]), output
