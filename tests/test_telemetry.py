@@ -327,3 +327,17 @@ def test_energy_tracker_reports_nan_when_codecarbon_fails(tmp_path, monkeypatch,
     assert "no power sensor" in caplog.text
     with pytest.raises(RuntimeError, match="before start"):
         tracker.stop()
+
+
+def test_phase_timer_keeps_the_threads_cpu_time_beside_the_wall_time():
+    wall, cpu = iter([0.0, 5.0, 10.0, 12.0]), iter([0.0, 1.0, 1.0, 3.0])
+    timer = PhaseTimer(clock=lambda: next(wall), cpu_clock=lambda: next(cpu))
+    with timer.phase("adder"):  # 5 s of wall, 1 s of CPU: waited on the server or for a core
+        pass
+    with timer.phase("inference"):  # 2 s of wall, 2 s of CPU: computing
+        pass
+    timer.add("pull", 0.5, cpu_seconds=0.25)
+    assert timer.totals() == {"adder": 5.0, "inference": 2.0, "pull": 0.5}
+    assert timer.cpu_totals() == {"adder": 1.0, "inference": 2.0, "pull": 0.25}
+    timer.reset()
+    assert timer.cpu_totals() == {}

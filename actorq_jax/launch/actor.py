@@ -269,11 +269,11 @@ class Actor:
 
         timings = self.variables.timings
         for t in timings[self._timings_seen:]:
-            self.timer.add("pull", t.pull_s)
-            self.timer.add("deserialize", t.deserialize_s)
-            self.timer.add("load", t.load_s)
+            self.timer.add("pull", t.pull_s, cpu_seconds=t.pull_cpu_s)
+            self.timer.add("deserialize", t.deserialize_s, cpu_seconds=t.deserialize_cpu_s)
+            self.timer.add("load", t.load_s, cpu_seconds=t.load_cpu_s)
         self._timings_seen = len(timings)
-        totals = self.timer.totals()
+        totals, cpu = self.timer.totals(), self.timer.cpu_totals()
         self.timer.reset()
         # The adder phase timed the whole call; its blocked part is reported as rate_limit_wait.
         totals["adder"] = max(0.0, totals.get("adder", 0.0) - totals.get("rate_limit_wait", 0.0))
@@ -288,6 +288,7 @@ class Actor:
             "params_version": self.variables.version,
             "rejected_payloads": self.variables.rejected,
             **{f"{phase}_s": round(totals.get(phase, 0.0), 6) for phase in ACTOR_PHASES},
+            **{f"{phase}_cpu_s": round(cpu.get(phase, 0.0), 6) for phase in ACTOR_PHASES},
         }
 
     def close(self, server_gone: bool = False) -> None:

@@ -372,14 +372,17 @@ class Launcher:
             summary[f"final_eval_return{suffix}"] = final
             summary[f"best_eval_return{suffix}"] = best
         totals = {phase: 0.0 for phase in ACTOR_PHASES}
+        cpu = {phase: 0.0 for phase in ACTOR_PHASES}
         episodes = 0
         for path in sorted((self.results_dir / "actors").glob("actor_*.csv")):
             for row in _read_rows(path):
                 episodes += 1
                 for phase in ACTOR_PHASES:
                     totals[phase] += float(row.get(f"{phase}_s") or 0.0)
+                    cpu[phase] += float(row.get(f"{phase}_cpu_s") or 0.0)
         summary["actor_episodes"] = episodes
         summary["actor_time_s"] = totals
+        summary["actor_cpu_time_s"] = cpu  # beside the wall time: what the actors' threads computed
         for role in ("learner", "replay"):
             summary[f"{role}_restarts"] = next((w.restarts for w in self.workers if w.role == role), 0)
         return summary

@@ -232,7 +232,7 @@ class LearnerLog:
         self.path = path
         self.start = start
         self._logger: Optional[CsvLogger] = None
-        self._last = (time.monotonic(), first_step)
+        self._last = (time.monotonic(), first_step, time.thread_time())
         self._last_totals = PublishTotals(0, 0, 0, 0.0, -1, 0)
 
     def write(self, steps: int, env_steps: int, metrics: Dict[str, Any], totals: PublishTotals) -> None:
@@ -240,16 +240,20 @@ class LearnerLog:
         now = time.monotonic()
         row = {k: float(np.mean(v)) for k, v in jax.device_get(metrics).items() if k != "priorities"}
         if self._logger is None:
-            fields = ["learner_steps", "wall_seconds", "env_steps", "sgd_steps_per_s", "publish_s", "publish_bytes",
-                      "versions_published", "versions_dropped"]
+            fields = ["learner_steps", "wall_seconds", "env_steps", "sgd_steps_per_s", "cpu_s_per_step", "publish_s",
+                      "publish_bytes", "versions_published", "versions_dropped"]
             # One row per LOG_EVERY_STEPS steps is rare enough to flush each: a SIGKILL loses none.
             self._logger = CsvLogger(self.path, fields + sorted(row), flush_every_s=0)
-        last_time, last_steps = self._last
+        last_time, last_steps, last_cpu = self._last
+        cpu = time.thread_time()
         row.update(
             learner_steps=steps,
             wall_seconds=round(now - self.start, 3),
             env_steps=env_steps,
             sgd_steps_per_s=(steps - last_steps) / max(now - last_time, 1e-9),
+            # The loop thread's CPU per step (sampling's own threads aside): 1 / sgd_steps_per_s far above it
+            # means the learner waited (for replay, or for a core it shares), not that its step got slower.
+            cpu_s_per_step=(cpu - last_cpu) / max(steps - last_steps, 1),
             # Per publication since the last row (off the SGD path: this is the publisher thread's time).
             publish_s=_per_item(totals.publish_s - self._last_totals.publish_s, totals.published - self._last_totals.published),
             publish_bytes=_per_item(totals.nbytes - self._last_totals.nbytes, totals.published - self._last_totals.published),
@@ -257,7 +261,7 @@ class LearnerLog:
             versions_dropped=totals.dropped,  # replaced by a newer version before they were sent
         )
         self._logger.write(row)
-        self._last = (now, steps)
+        self._last = (now, steps, cpu)
         self._last_totals = totals
 
     def close(self) -> None:

@@ -47,6 +47,10 @@ class RefreshTiming(NamedTuple):
     pull_s: float
     deserialize_s: float
     load_s: float
+    # CPU seconds of the refresh thread in each stage (wall above CPU: waiting on the server, or for a core).
+    pull_cpu_s: float = 0.0
+    deserialize_cpu_s: float = 0.0
+    load_cpu_s: float = 0.0
 
     @property
     def total_s(self) -> float:
@@ -297,7 +301,7 @@ class VariableClient:
             self._unreachable = isinstance(error, ConnectionError)
 
     def _refresh_once(self) -> None:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         with self._cond:
             client = self._client
         try:
@@ -316,7 +320,7 @@ class VariableClient:
             return
         sample = next(client.sample(self.table, num_samples=1, emit_timesteps=False))
         arrays = list(sample.data)
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
         # A bad item is rejected once: its insert count is not pulled again.
         self._seen_inserts = inserts
         try:
@@ -324,14 +328,15 @@ class VariableClient:
             meta = wire_meta(arrays)
         except ValueError as error:
             raise PayloadRejected(str(error)) from error
-        t2 = time.perf_counter()
+        t2, c2 = time.perf_counter(), time.thread_time()
         if version == self.version:
             self.skipped += 1
             return
         params = qparams if self._load_fn is None else self._load_fn(qparams)
-        t3 = time.perf_counter()
+        t3, c3 = time.perf_counter(), time.thread_time()
         timing = RefreshTiming(version=version, nbytes=wire_nbytes(arrays), pull_s=t1 - t0,
-                               deserialize_s=t2 - t1, load_s=t3 - t2)
+                               deserialize_s=t2 - t1, load_s=t3 - t2,
+                               pull_cpu_s=c1 - c0, deserialize_cpu_s=c2 - c1, load_cpu_s=c3 - c2)
         with self._cond:
             self._params = params
             self._version = version

@@ -7,11 +7,13 @@ ACTOR_PHASES = ("env_step", "inference", "adder", "rate_limit_wait", "pull", "de
 
 # actors/actor_<i>.csv: one row per finished episode; env_index is which of the actor's environments
 # (--envs_per_actor) finished it, episode and env_steps count over all of them. rejected_payloads counts (cumulatively) the
-# variable payloads the actor refused (malformed, non-finite, or not fitting its network).
+# variable payloads the actor refused (malformed, non-finite, or not fitting its network). <phase>_s is a
+# phase's wall time in the episode, <phase>_cpu_s the CPU time its thread spent in it: wall well above CPU
+# means the process waited for a core (or, for adder and pull, for the server).
 ACTOR_FIELDS = (
     "actor_id", "episode", "env_index", "env_steps", "episode_return", "episode_length", "wall_seconds", "params_version",
     "rejected_payloads",
-) + tuple(f"{phase}_s" for phase in ACTOR_PHASES)
+) + tuple(f"{phase}_s" for phase in ACTOR_PHASES) + tuple(f"{phase}_cpu_s" for phase in ACTOR_PHASES)
 
 # eval.csv: one row per evaluation episode and policy ("fp32", or "actor": what actors run).
 EVAL_FIELDS = ("wall_seconds", "env_steps", "learner_steps", "policy", "bits", "episode", "return", "final")
