@@ -34,16 +34,21 @@ RUN_FLAGS = [
 ]
 
 
+def _time(figures: dict) -> str:
+    return f"{figures['time_to_target_s']:.0f} s" if figures["reached"] else "not reached"
+
+
 def _explain(q32: dict, q8: dict) -> str:
-    speedup = q32["time_to_target_s"] / q8["time_to_target_s"]
+    both = q32["reached"] and q8["reached"]
+    speedup = q32["time_to_target_s"] / q8["time_to_target_s"] if both else math.nan
     throughput = q8["env_steps_per_s"] / q32["env_steps_per_s"] if q32["env_steps_per_s"] else math.nan
-    lines = [f"demo: time to {TARGET:g}: q=32 {q32['time_to_target_s']:.0f} s{'' if q32['reached'] else ' (not reached)'}, "
-             f"q=8 {q8['time_to_target_s']:.0f} s{'' if q8['reached'] else ' (not reached)'}: q=8 {speedup:.2f}x as fast",
+    ratio = f"q=8 {speedup:.2f}x as fast" if both else "no ratio (a run did not reach it)"
+    lines = [f"demo: time to {TARGET:g}: q=32 {_time(q32)}, q=8 {_time(q8)}: {ratio}",
              f"demo: env steps/s q=8 / q=32: {throughput:.2f}x; bound by: q=32 {q32['bound_by']}; q=8 {q8['bound_by']}"]
-    if q32["reached"] and q8["reached"] and speedup > 0 and throughput > 0 and abs(math.log(speedup)) > 1e-9:
+    if both and speedup > 0 and throughput > 0 and abs(math.log(speedup)) > 1e-9:
         share = math.log(throughput) / math.log(speedup)
         lines.append(f"demo: throughput explains {share:.0%} of the ratio (in log terms); the rest is how many env steps "
-                     f"each seed needed ({q32['env_steps_to_target']:,d} vs {q8['env_steps_to_target']:,d})")
+                     f"each seed needed ({q32['env_steps_to_target']:,.0f} vs {q8['env_steps_to_target']:,.0f})")
     lines.append("demo: one seed per precision is a demonstration, not a measurement: single-seed ratios of this demo "
                  "have ranged from 0.67x to 2.53x on this project's machines. For the measured answer run "
                  "python benchmarks/end_to_end.py --layouts shared --rate_limiter ratio --samples_per_insert 4 "
@@ -72,7 +77,7 @@ def main(argv=None) -> int:
         if code != 0:
             print(f"demo: the q={bits} run failed (exit code {code}); see {run_dir}/logs", file=sys.stderr)
             return code
-        figures[bits] = measure_run(run_dir, TARGET, args.seconds_per_run)
+        figures[bits] = measure_run(run_dir, TARGET)
     code = subprocess.call([sys.executable, str(HERE / "plot.py"), str(out)])
     print(f"\ndemo: results in {out}/ (one run directory per bit-width, each with summary.json)")
     print(f"demo: plots and table in {out}/plots/ (results.md, return_vs_wall_time.png, actor_time_breakdown.png)")

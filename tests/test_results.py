@@ -86,14 +86,6 @@ def synthetic_sweep(tmp_path):
 # -- unit tests of the aggregation helpers ----------------------------------------------------------------------
 
 
-def test_first_reach_is_the_first_crossing_not_the_best():
-    assert analysis.first_reach([1, 2, 3, 4], [0.0, 5.0, 3.0, 9.0], 5.0) == 2.0
-    assert analysis.first_reach([3, 4], [5.0, 5.0], 5.0) == 3.0  # reaching counts (>=)
-    assert math.isnan(analysis.first_reach([1, 2, 3], [0.0, 4.9, 1.0], 5.0))
-    with pytest.raises(ValueError, match="differ in length"):
-        analysis.first_reach([1, 2], [1.0], 0.0)
-
-
 def test_target_returns_positive_negative_and_explicit():
     points = pd.DataFrame({"task": ["a", "a", "b", "b"], "return": [500.0, 1000.0, -300.0, -100.0]})
     targets = analysis.target_returns(points, 0.9)

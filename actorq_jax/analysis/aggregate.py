@@ -1,9 +1,24 @@
-"""Aggregations of loaded runs: evaluation curves, bands over seeds, time to target, speedup, actor time."""
+"""Aggregations of loaded runs: evaluation curves, bands over seeds, time to target, speedup, actor time.
+
+Time to target has one definition, `time_to_target`, used by the sweep tables,
+benchmarks/end_to_end.py, experiments/demo.py and the notebook:
+
+- an evaluation is one evaluation round of the fp32 (learner's) policy; its
+  return is the mean over its episodes, and an evaluation with a NaN episode
+  return has a NaN return, which reaches no target;
+- evaluations of the untrained policy (learner step 0 by default) do not count;
+- the run reaches the target at the first evaluation, in wall-clock order, whose
+  return is >= the target; the final (shutdown) evaluation counts like any other;
+- a run that never reaches it has NaN time, env steps and energy to target and
+  counts as "not reached" (never as its budget): means over runs are means over
+  the runs that reached it, reported beside how many did.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 import pandas as pd
@@ -17,6 +32,11 @@ BASELINE_BITS = 32
 def _check_x(x: str) -> None:
     if x not in X_COLUMNS:
         raise ValueError(f"x must be one of {X_COLUMNS}, got {x!r}")
+
+
+def _mean_keeping_nan(values: pd.Series) -> float:
+    # A NaN episode makes its evaluation NaN: a diverged policy must not pass on its finite episodes.
+    return float(values.mean(skipna=False))
 
 
 def eval_points(evals: pd.DataFrame, policy: str = "fp32") -> pd.DataFrame:
@@ -33,7 +53,7 @@ def eval_points(evals: pd.DataFrame, policy: str = "fp32") -> pd.DataFrame:
     points = (
         rows.groupby(list(META_COLUMNS) + ["learner_steps", "final"], sort=False)
         .agg(wall_seconds=("wall_seconds", "max"), env_steps=("env_steps", "max"),
-             **{"return": ("return", "mean")}, episodes=("return", "size"))
+             **{"return": ("return", _mean_keeping_nan)}, episodes=("return", "size"))
         .reset_index()
     )
     return points.sort_values(["task", "bits", "seed", "wall_seconds"], ascending=[True, False, True, True],
@@ -54,14 +74,43 @@ def final_and_best_returns(evals: pd.DataFrame, policy: str = "fp32") -> Tuple[f
     return float(ordered["return"].iloc[-1]), float(points["return"].max())
 
 
-def first_reach(x: Sequence[float], returns: Sequence[float], target: float) -> float:
-    """The first x (in the order given) at which the return is at least `target`; NaN if it never is."""
-    xs = np.asarray(x, dtype=float)
-    ys = np.asarray(returns, dtype=float)
-    if xs.shape != ys.shape:
-        raise ValueError(f"x and returns differ in length: {xs.shape} vs {ys.shape}")
-    hits = np.flatnonzero(ys >= target)
-    return float(xs[hits[0]]) if hits.size else math.nan
+@dataclasses.dataclass(frozen=True)
+class TargetReach:
+    """Where one run first reached a target return: the evaluation's wall seconds, env and learner steps, return."""
+
+    reached: bool
+    wall_seconds: float
+    env_steps: float
+    learner_steps: float
+    eval_return: float
+
+
+def time_to_target(evals: pd.DataFrame, target: float, min_learner_steps: int = 1) -> TargetReach:
+    """The first fp32 evaluation of one run whose mean return is >= target (final included); NaN fields on a miss.
+
+    `evals` holds one run's eval.csv rows (columns policy, learner_steps, final,
+    wall_seconds, env_steps, return). The full definition is in this module's
+    docstring.
+    """
+    missing = {"policy", "learner_steps", "final", "wall_seconds", "env_steps", "return"} - set(evals.columns)
+    if missing and not evals.empty:
+        raise ValueError(f"eval rows lack columns {sorted(missing)}")
+    # Only `run` tells runs apart: a raw eval.csv's `bits` is the evaluated policy's, not the run's.
+    if "run" in evals.columns and evals["run"].nunique() > 1:
+        raise ValueError("time_to_target takes the evaluations of one run; use run_time_to_target for several")
+    miss = TargetReach(False, math.nan, math.nan, math.nan, math.nan)
+    if evals.empty or math.isnan(float(target)):
+        return miss
+    frame = evals.assign(**{c: 0 for c in META_COLUMNS if c not in evals.columns})
+    points = eval_points(frame, "fp32")
+    points = points[points["learner_steps"] >= min_learner_steps]
+    points = points.sort_values(["wall_seconds", "final"], kind="stable")
+    hits = points[points["return"] >= target]  # NaN >= target is False
+    if hits.empty:
+        return miss
+    first = hits.iloc[0]
+    return TargetReach(True, float(first["wall_seconds"]), float(first["env_steps"]), float(first["learner_steps"]),
+                       float(first["return"]))
 
 
 def target_returns(points: pd.DataFrame, fraction: float = 0.9, target: Optional[float] = None) -> pd.Series:
@@ -84,17 +133,18 @@ def sweep_targets(evals: pd.DataFrame, fraction: float = 0.9, target: Optional[f
     return target_returns(points[points["learner_steps"] >= min_learner_steps], fraction, target)
 
 
-def run_time_to_target(points: pd.DataFrame, targets: pd.Series) -> pd.DataFrame:
-    """Per run: the wall seconds and env steps at which its evaluation return first reached its task's target."""
-    rows = []
-    for (run, task, bits, seed), group in points.groupby(list(META_COLUMNS), sort=False):
-        group = group.sort_values("wall_seconds")
-        target = float(targets.get(task, math.nan))
-        seconds = first_reach(group["wall_seconds"], group["return"], target)
-        steps = first_reach(group["env_steps"], group["return"], target)
-        rows.append({"run": run, "task": task, "bits": bits, "seed": seed, "target": target,
-                     "time_to_target_s": seconds, "env_steps_to_target": steps, "reached": not math.isnan(seconds)})
+def run_time_to_target(evals: pd.DataFrame, targets: pd.Series, min_learner_steps: int = 1) -> pd.DataFrame:
+    """Per run (rows of `evals` grouped by run): `time_to_target` against its task's target in `targets`."""
     columns = ["run", "task", "bits", "seed", "target", "time_to_target_s", "env_steps_to_target", "reached"]
+    if evals.empty:
+        return pd.DataFrame(columns=columns)
+    rows = []
+    for (run, task, bits, seed), group in evals.groupby(list(META_COLUMNS), sort=False):
+        target = float(targets.get(task, math.nan))
+        reach = time_to_target(group, target, min_learner_steps)
+        rows.append({"run": run, "task": task, "bits": bits, "seed": seed, "target": target,
+                     "time_to_target_s": reach.wall_seconds, "env_steps_to_target": reach.env_steps,
+                     "reached": reach.reached})
     return pd.DataFrame(rows, columns=columns)
 
 
@@ -149,7 +199,7 @@ def results_table(runs: pd.DataFrame, evals: pd.DataFrame, target_fraction: floa
     """One row per task and bit-width: time to the target return, speedup and energy ratio against the baseline, final return.
 
     time_to_target_s and energy_to_target_wh are means over the runs that
-    reached the target (`reached` of `runs`). A run's energy to target is its
+    reached the target (`time_to_target`; `reached` of `runs`). A run's energy to target is its
     whole-run energy scaled by the share of its wall time spent before the
     target (constant power assumed). speedup = baseline time / this time and
     energy_ratio = baseline energy / this energy, so above 1 is better.
@@ -157,10 +207,8 @@ def results_table(runs: pd.DataFrame, evals: pd.DataFrame, target_fraction: floa
     which scores well on some tasks by luck) count neither for the target nor
     for reaching it.
     """
-    points = eval_points(evals, "fp32")
-    points = points[points["learner_steps"] >= min_learner_steps]
     targets = sweep_targets(evals, target_fraction, target, min_learner_steps)
-    reach = run_time_to_target(points, targets)
+    reach = run_time_to_target(evals, targets, min_learner_steps)
     merged = runs.merge(reach[["run", "target", "time_to_target_s", "env_steps_to_target", "reached"]],
                         on="run", how="left")
     merged["reached"] = merged["reached"].astype("boolean").fillna(False).astype(bool)
@@ -223,3 +271,65 @@ def actor_time_breakdown(actors: pd.DataFrame) -> pd.DataFrame:
     table = table.reset_index()
     table["actor_steps"] = table["actor_steps"].round().astype(int)
     return table.sort_values(["task", "bits"], ascending=[True, False], ignore_index=True)[columns]
+
+
+def _std(values: pd.Series) -> float:
+    finite = values.dropna()
+    return float(finite.std(ddof=1)) if len(finite) > 1 else math.nan
+
+
+def bits_table(runs: pd.DataFrame, evals: pd.DataFrame) -> pd.DataFrame:
+    """Per agent, task and actor bit-width, over finished runs: final and best return, fp32 and actors' policy.
+
+    Final is the shutdown evaluation's mean return (else the last periodic one),
+    best the highest evaluation's (`final_and_best_returns`); each is given as
+    the mean, sample std and min/max over seeds. Runs without summary.json
+    (still going, or killed) are left out.
+    """
+    columns = ["agent", "task", "bits", "seeds", "final", "final_std", "final_min", "final_max", "best", "best_std",
+               "best_min", "best_max", "actor_final", "actor_final_std", "actor_best", "actor_best_std"]
+    done = runs[runs["complete"].astype(bool)] if not runs.empty else runs
+    rows = []
+    for run in done.itertuples(index=False):
+        run_evals = evals[evals["run"] == run.run] if not evals.empty else evals
+        final, best = final_and_best_returns(run_evals, "fp32")
+        actor_final, actor_best = final_and_best_returns(run_evals, "actor")
+        rows.append({"agent": run.agent, "task": run.task, "bits": int(run.bits), "final": final, "best": best,
+                     "actor_final": actor_final, "actor_best": actor_best})
+    if not rows:
+        return pd.DataFrame(columns=columns)
+    per_run = pd.DataFrame(rows)
+    out = []
+    for (agent, task, bits), group in per_run.groupby(["agent", "task", "bits"], sort=False):
+        out.append({
+            "agent": agent, "task": task, "bits": int(bits), "seeds": len(group),
+            "final": group["final"].mean(), "final_std": _std(group["final"]),
+            "final_min": group["final"].min(), "final_max": group["final"].max(),
+            "best": group["best"].mean(), "best_std": _std(group["best"]),
+            "best_min": group["best"].min(), "best_max": group["best"].max(),
+            "actor_final": group["actor_final"].mean(), "actor_final_std": _std(group["actor_final"]),
+            "actor_best": group["actor_best"].mean(), "actor_best_std": _std(group["actor_best"]),
+        })
+    table = pd.DataFrame(out, columns=columns)
+    return table.sort_values(["agent", "task", "bits"], ascending=[True, True, False], ignore_index=True)
+
+
+def fewest_bits_within(table: pd.DataFrame, tolerance: float = 0.05,
+                       baseline_bits: int = BASELINE_BITS) -> Dict[Tuple[str, str], Optional[int]]:
+    """Per (agent, task) of `bits_table`: the fewest bits whose mean final return is >= q=32's less `tolerance` of its size.
+
+    None where no bit-width below the baseline is within it, or there is no
+    baseline run to compare with.
+    """
+    if not 0.0 <= tolerance < 1.0:
+        raise ValueError(f"tolerance must be in [0, 1), got {tolerance}")
+    answer: Dict[Tuple[str, str], Optional[int]] = {}
+    for (agent, task), group in table.groupby(["agent", "task"], sort=True):
+        base = group.loc[group["bits"] == baseline_bits, "final"]
+        if base.empty or math.isnan(float(base.iloc[0])):
+            answer[(agent, task)] = None
+            continue
+        floor = float(base.iloc[0]) - tolerance * abs(float(base.iloc[0]))
+        within = group[(group["bits"] < baseline_bits) & (group["final"] >= floor)]
+        answer[(agent, task)] = int(within["bits"].min()) if not within.empty else None
+    return answer
