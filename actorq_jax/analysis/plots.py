@@ -155,12 +155,48 @@ def plot_ptq(ptq: pd.DataFrame, title: str = "") -> Figure:
     return fig
 
 
+def plot_return_vs_bits(table: pd.DataFrame) -> Figure:
+    """Final and best fp32 return against actor bits (mean over seeds, bars min-max), one panel per agent and task.
+
+    `table` is `bits_table`'s; the actors' own-precision final return is drawn dashed.
+    """
+    if table.empty:
+        raise ValueError("no finished runs to plot")
+    groups = list(table.groupby(["agent", "task"], sort=True))
+    fig = Figure(figsize=(5.5 * len(groups), 4.2), layout="constrained")
+    axes = fig.subplots(1, len(groups), squeeze=False)[0]
+    for ax, ((agent, task), rows) in zip(axes, groups):
+        rows = rows.sort_values("bits")
+        bits = rows["bits"].to_numpy(dtype=float)
+        for column, label, color, offset in (("final", "final", "tab:blue", 0.97), ("best", "best", "tab:green", 1.03)):
+            mean = rows[column].to_numpy(dtype=float)
+            yerr = [mean - rows[f"{column}_min"].to_numpy(dtype=float), rows[f"{column}_max"].to_numpy(dtype=float) - mean]
+            ax.errorbar(bits * offset, mean, yerr=yerr, marker="o", color=color, capsize=3,
+                        label=f"{label} return, fp32 policy")
+        actor = rows[rows["actor_final"].notna()]
+        if not actor.empty:
+            ax.plot(actor["bits"].to_numpy(dtype=float), actor["actor_final"].to_numpy(dtype=float), marker="x",
+                    linestyle="--", color="tab:red", label="final return, actors' own precision")
+        ax.set_xscale("log", base=2)
+        ticks = sorted(int(b) for b in rows["bits"].unique())
+        ax.set_xticks(ticks, [str(b) for b in ticks])
+        ax.minorticks_off()
+        seeds = ", ".join(f"q{int(b)}: {int(n)}" for b, n in zip(rows["bits"], rows["seeds"]))
+        ax.set_title(f"{agent} {task}\nseeds {seeds}", fontsize="small")
+        ax.set_xlabel("actor bits during training")
+        ax.set_ylabel("evaluation return (mean over seeds; bars: min-max)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    return fig
+
+
 def save_figure(fig: Figure, path: Union[str, Path], dpi: int = 120) -> Path:
     """Writes a figure as PNG (creating the folder) and returns its path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi)
+    fig.savefig(path, dpi=dpi, metadata={"Software": None})  # no version stamp: same data, same bytes
     return path
 
 
-__all__: Sequence[str] = ("bits_color", "plot_return_curves", "plot_actor_time", "plot_ptq", "save_figure")
+__all__: Sequence[str] = ("bits_color", "plot_return_curves", "plot_actor_time", "plot_ptq", "plot_return_vs_bits",
+                          "save_figure")

@@ -8,7 +8,14 @@ from typing import Dict, List, Optional, Sequence, Union
 
 import pandas as pd
 
-from actorq_jax.analysis.aggregate import actor_time_breakdown, eval_points, results_table, sweep_targets
+from actorq_jax.analysis.aggregate import (
+    BASELINE_BITS,
+    actor_time_breakdown,
+    eval_points,
+    fewest_bits_within,
+    results_table,
+    sweep_targets,
+)
 from actorq_jax.analysis.loading import Sweep
 from actorq_jax.analysis.plots import plot_actor_time, plot_return_curves, save_figure
 
@@ -104,6 +111,39 @@ def results_markdown(table: pd.DataFrame, target_fraction: float, target: Option
     for name in figures:
         lines += [f"![{Path(name).stem}]({name})", ""]
     return "\n".join(lines)
+
+
+def _mean_std(mean: float, std: float, seeds: int) -> str:
+    if mean is None or math.isnan(mean):
+        return "-"
+    return f"{mean:.1f}" if seeds < 2 or std is None or math.isnan(std) else f"{mean:.1f} ± {std:.1f}"
+
+
+def bits_markdown(table: pd.DataFrame, tolerance: float = 0.05, baseline_bits: int = BASELINE_BITS) -> str:
+    """`bits_table` as markdown: returns per bit-width (mean ± std over seeds), then the fewest bits within tolerance."""
+    if table.empty:
+        return "No finished runs yet."
+    rows = []
+    for r in table.itertuples(index=False):
+        same = int(r.bits) == baseline_bits
+        rows.append({
+            "agent": r.agent, "task": r.task, "actor bits": f"q={int(r.bits)}", "seeds": str(int(r.seeds)),
+            "final return (fp32 policy)": _mean_std(r.final, r.final_std, r.seeds),
+            "best return (fp32 policy)": _mean_std(r.best, r.best_std, r.seeds),
+            "final return (actors' precision)": "= fp32" if same else _mean_std(r.actor_final, r.actor_final_std, r.seeds),
+            "best return (actors' precision)": "= fp32" if same else _mean_std(r.actor_best, r.actor_best_std, r.seeds),
+        })
+    fewest = fewest_bits_within(table, tolerance, baseline_bits)
+    answer = []
+    for (agent, task), bits in fewest.items():
+        base = table[(table["agent"] == agent) & (table["task"] == task) & (table["bits"] == baseline_bits)]
+        answer.append({
+            "agent": agent, "task": task,
+            f"q={baseline_bits} final (fp32 policy)": _mean_std(base["final"].iloc[0], math.nan, 1) if len(base) else "-",
+            f"fewest bits with final return within {tolerance:.0%} of q={baseline_bits}'s":
+                "no q=32 run yet" if base.empty else ("none" if bits is None else f"q={bits}"),
+        })
+    return to_markdown(pd.DataFrame(rows)) + "\n\n" + to_markdown(pd.DataFrame(answer))
 
 
 def write_report(sweep: Sweep, out_dir: Union[str, Path], target_fraction: float = 0.9,

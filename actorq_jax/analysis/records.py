@@ -1,0 +1,95 @@
+"""Records: the small files of finished runs, kept so that tables and figures can be redrawn without the runs.
+
+A record set lives in `results/records/<study>/`:
+
+    study.json            where each collected sweep came from, its command, when it ran and was collected, the CPU
+    sweeps/<name>.json    the sweep's own sweep.json (its command and each run's command and start time)
+    <run>/config.json, summary.json, eval.csv, learner.csv, actors/actor_<i>.csv
+
+Checkpoints, replay checkpoints, logs and codecarbon's files are left out. Only
+finished runs (those with summary.json) are collected. Needs no JAX.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Dict, List, Union
+
+from actorq_jax.analysis.loading import SWEEP_INDEX, find_run_dirs
+from actorq_jax.telemetry.machine import cpu_model
+
+PathLike = Union[str, Path]
+RECORD_FILES = ("config.json", "summary.json", "eval.csv", "learner.csv")
+RECORD_GLOBS = ("actors/actor_*.csv",)
+STUDY_INDEX = "study.json"
+
+
+def record_files(run_dir: PathLike) -> List[Path]:
+    """The files of one run that make its record, relative to the run directory."""
+    root = Path(run_dir)
+    files = [Path(name) for name in RECORD_FILES if (root / name).is_file()]
+    for pattern in RECORD_GLOBS:
+        files += sorted(p.relative_to(root) for p in root.glob(pattern) if p.is_file())
+    return files
+
+
+def _read_index(path: Path) -> Dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON: {error}") from error
+
+
+def collect(source: PathLike, records_root: PathLike, study: str) -> List[Path]:
+    """Copies the finished runs of a sweep (or one run) directory into records_root/study; returns the records written.
+
+    A run already recorded under the same name is replaced, so collecting a
+    sweep again while it runs adds the runs that have finished since.
+    """
+    src = Path(source)
+    if not src.is_dir():
+        raise FileNotFoundError(f"{src} is not a directory")
+    if not study or "/" in study or study.startswith("."):
+        raise ValueError(f"study must be a plain folder name, got {study!r}")
+    out = Path(records_root) / study
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for run_dir in find_run_dirs(src):
+        if not (run_dir / "summary.json").is_file():
+            continue
+        target = out / run_dir.name
+        if target.exists():
+            shutil.rmtree(target)
+        for relative in record_files(run_dir):
+            (target / relative).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(run_dir / relative, target / relative)
+        written.append(target)
+    sweep_index = _read_index(src / SWEEP_INDEX)
+    if sweep_index:
+        (out / "sweeps").mkdir(exist_ok=True)
+        shutil.copyfile(src / SWEEP_INDEX, out / "sweeps" / f"{src.name}.json")
+    index_path = out / STUDY_INDEX
+    index = _read_index(index_path)
+    index.setdefault("study", study)
+    index.setdefault("sources", {})
+    index["sources"][src.name] = {
+        "command": sweep_index.get("command"),
+        "started": sweep_index.get("started"),
+        "finished": sweep_index.get("finished"),
+        "runs_collected": sorted(p.name for p in written),
+        "collected": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "collected_on": {"cpu": cpu_model(), "cores": os.cpu_count()},
+    }
+    index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return written
+
+
+def read_study(study_dir: PathLike) -> Dict[str, Any]:
+    """A record set's study.json (empty when it has none)."""
+    return _read_index(Path(study_dir) / STUDY_INDEX)

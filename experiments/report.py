@@ -1,0 +1,159 @@
+"""Regenerates the tables of record in RESULTS.md, and their figures, from the committed records; runs nothing.
+
+    python experiments/report.py                                   # every study under results/records
+    python experiments/report.py --collect SWEEP_DIR [SWEEP_DIR ...] --study NAME   # record finished runs, then regenerate
+    python experiments/report.py --check                           # exit 1 if RESULTS.md differs from the records
+
+A study's table sits in RESULTS.md between `<!-- report:NAME -->` and
+`<!-- /report:NAME -->`; everything between the two markers is rewritten.
+`--collect` copies each finished run (one with summary.json) of the given sweep
+or run directories into results/records/NAME/ (config.json, summary.json,
+eval.csv, learner.csv, actors/*.csv; no checkpoints or logs; see
+actorq_jax/analysis/records.py). Needs no JAX.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; must precede anything that could pick an interactive backend
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from actorq_jax import analysis  # noqa: E402  (after the path insert)
+
+TOLERANCE = 0.05  # RQ2: "within 5% of q=32's final return"
+
+
+def _date(stamp: Optional[str]) -> str:
+    if not stamp:
+        return "unknown date"
+    return datetime.datetime.fromisoformat(stamp).strftime("%Y-%m-%d")
+
+
+def _command(command: Optional[str]) -> str:
+    """The recorded command with its interpreter's path shortened to `python`."""
+    if not command:
+        return "not recorded"
+    head, _, rest = command.partition(" ")
+    return f"python {rest}" if Path(head).name.startswith("python") else command
+
+
+def _provenance(study_dir: Path, runs: int) -> List[str]:
+    """Lines naming the records, the commands that made them, when, and the CPU they were collected on."""
+    index = analysis.read_study(study_dir)
+    shown = study_dir.resolve()
+    shown = shown.relative_to(ROOT) if shown.is_relative_to(ROOT) else shown
+    lines = [f"Records: `{shown.as_posix()}` ({runs} finished runs)."]
+    for name, source in sorted(index.get("sources", {}).items()):
+        machine = source.get("collected_on", {})
+        lines.append(f"- `{name}`: started {_date(source.get('started'))}, "
+                     f"{len(source.get('runs_collected', []))} finished runs collected {_date(source.get('collected'))} "
+                     f"on {machine.get('cpu', 'an unrecorded CPU')} ({machine.get('cores', '?')} cores); "
+                     f"command `{_command(source.get('command'))}`")
+    return lines
+
+
+def render_rq2(study_dir: Path, figures_dir: Path, figure_link: str) -> str:
+    """RQ2's table (returns per actor bit-width) and figure from a record set; returns the markdown block."""
+    sweep = analysis.load_sweep(study_dir)
+    table = analysis.bits_table(sweep.runs, sweep.evals)
+    lines = _provenance(study_dir, int(sweep.runs["complete"].sum()))
+    lines += ["", analysis.bits_markdown(table, TOLERANCE), ""]
+    lines.append(f"Final: the shutdown evaluation's mean return over its episodes; best: the highest evaluation's; "
+                 f"mean ± sample std over seeds. \"Within {TOLERANCE:.0%}\": mean final return >= q=32's less "
+                 f"{TOLERANCE:.0%} of its size; a higher return counts as within.")
+    if not table.empty:
+        analysis.save_figure(analysis.plot_return_vs_bits(table), figures_dir / "rq2_return_vs_bits.png")
+        lines += ["", f"![final and best return against actor bits]({figure_link}rq2_return_vs_bits.png)"]
+    return "\n".join(lines)
+
+
+# Study name -> its renderer. A study under results/records without one is listed, not rendered.
+STUDIES: Dict[str, Callable[[Path, Path, str], str]] = {"rq2": render_rq2}
+
+
+def replace_block(text: str, study: str, block: str) -> str:
+    """`text` with the lines between the study's report markers replaced by `block`."""
+    begin, end = f"<!-- report:{study} -->", f"<!-- /report:{study} -->"
+    if text.count(begin) != 1 or text.count(end) != 1 or text.index(begin) > text.index(end):
+        raise ValueError(f"RESULTS.md needs exactly one {begin} ... {end} pair")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{begin}\n{block}\n{end}{tail}"
+
+
+def regenerate(records: Path, results_md: Path, figures_dir: Path, figure_link: str = "docs/figures/") -> str:
+    """The new RESULTS.md text: each known study's block redrawn from `records`; figures written to `figures_dir`."""
+    text = results_md.read_text()
+    for study_dir in sorted(p for p in records.iterdir() if p.is_dir()) if records.is_dir() else []:
+        render = STUDIES.get(study_dir.name)
+        if render is None:
+            print(f"report: {study_dir.name}: no table of record is defined for this study; skipped")
+            continue
+        block = render(study_dir, figures_dir, figure_link)
+        print(f"## {study_dir.name}\n\n{block}\n")
+        text = replace_block(text, study_dir.name, block)
+    return text
+
+
+def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    """Parses and checks the flags; exits 2 naming the flag on bad input."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--records", default=str(ROOT / "results" / "records"), help="the record sets, one folder per study")
+    parser.add_argument("--results_md", default=str(ROOT / "RESULTS.md"), help="the file whose report blocks are rewritten")
+    parser.add_argument("--figures", default=str(ROOT / "docs" / "figures"), help="where figures are written")
+    parser.add_argument("--collect", nargs="+", default=None, metavar="DIR",
+                        help="sweep or run directories whose finished runs are recorded first (needs --study)")
+    parser.add_argument("--study", default=None, help="the study --collect records into")
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if RESULTS.md differs")
+    args = parser.parse_args(argv)
+    if args.collect is not None:
+        if not args.study:
+            parser.error("--collect needs --study NAME")
+        missing = [d for d in args.collect if not Path(d).is_dir()]
+        if missing:
+            parser.error(f"--collect: not a directory: {', '.join(missing)}")
+    elif args.study:
+        parser.error("--study is for --collect")
+    if not Path(args.results_md).is_file():
+        parser.error(f"--results_md: {args.results_md} does not exist")
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Collects when asked, then rewrites RESULTS.md's report blocks and the figures (or checks them)."""
+    args = parse(argv)
+    records, results_md = Path(args.records), Path(args.results_md)
+    for source in args.collect or []:
+        written = analysis.collect(source, records, args.study)
+        print(f"report: {source}: {len(written)} finished runs recorded in {records / args.study}")
+    try:
+        if args.check:
+            with tempfile.TemporaryDirectory() as scratch:  # figures are drawn, not kept
+                text = regenerate(records, results_md, Path(scratch))
+        else:
+            text = regenerate(records, results_md, Path(args.figures))
+    except ValueError as error:
+        print(f"report: {error}", file=sys.stderr)
+        return 1
+    if args.check:
+        same = text == results_md.read_text()
+        print(f"report: {results_md} {'matches' if same else 'differs from'} the records")
+        return 0 if same else 1
+    results_md.write_text(text)
+    print(f"report: wrote {results_md}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
