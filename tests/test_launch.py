@@ -8,6 +8,7 @@ Flag validation runs in-process, with one run of the script itself.
 """
 
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -124,9 +125,9 @@ def test_killed_actor_is_restarted_and_the_run_goes_on(tmp_path):
 @pytest.mark.process
 @pytest.mark.timeout(300)
 def test_remote_actor_contributes_transitions(tmp_path):
-    results, remote_dir = tmp_path / "run", tmp_path / "remote"
+    results = tmp_path / "run"
     proc = start_run(results, *TINY, "--num_actors", "1", "--max_seconds", "250")
-    remote = None
+    pair = {}
     try:
         address = _started(results, proc)["local_address"]
         # The id of a launcher actor is refused, naming the flag, before the actor starts.
@@ -134,21 +135,27 @@ def test_remote_actor_contributes_transitions(tmp_path):
         taken_out, _ = taken.communicate(timeout=100)
         assert taken.returncode == 2 and "--actor_id 0 is one of the run's 1 launcher actors" in taken_out, taken_out[-3000:]
         assert not (tmp_path / "taken").exists()
-        # This machine's own environment count (the run has 1 per actor).
-        remote = start_remote_actor(address, remote_dir, "--actor_id", "7", "--envs_per_actor", "2",
-                                    "--max_episodes", "2")
-        remote_out, _ = remote.communicate(timeout=200)
-        assert remote.returncode == 0, remote_out[-3000:]
+        # Two hand-started actors given one id: one holds the id's lease, the other exits 2 naming the holder.
+        # Each sizes its own environment count (the run has 1 per actor).
+        pair = {d: start_remote_actor(address, d, "--actor_id", "7", "--envs_per_actor", "2", "--max_episodes", "2")
+                for d in (tmp_path / "remote_a", tmp_path / "remote_b")}
+        outputs = {d: p.communicate(timeout=200)[0] for d, p in pair.items()}
+        codes = sorted(p.returncode for p in pair.values())
+        assert codes == [0, 2], outputs
+        remote_dir = next(d for d, p in pair.items() if p.returncode == 0)
+        refused = next(out for d, out in outputs.items() if d != remote_dir)
+        assert len(re.findall(r"--actor_id 7 is held by another actor \([^)]+:\d+\)", refused)) == 1, refused[-3000:]
+        assert "Traceback" not in refused
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=200)
     finally:
-        stop_all(proc, remote)
+        stop_all(proc, *pair.values())
     assert proc.returncode == 0, out[-3000:]
     remote_rows = _rows(remote_dir / "actor_7.csv")
     # Two full cartpole episodes, one per environment, ending together at 2 x 1000 env steps.
     assert sorted(r["env_index"] for r in remote_rows) == [0, 1]
     assert {(r["env_steps"], r["episode_length"]) for r in remote_rows} == {(2000, 1000)}
-    # Its rows travelled through the learner's server into the run's results directory.
+    # Its rows travelled through the replay service into the run's results directory; the refused twin's none.
     assert _rows(results / "actors" / "actor_7.csv") == remote_rows
     summary = json.loads((results / "summary.json").read_text())
     local_logged = sum(r["episode_length"] for r in _rows(results / "actors" / "actor_0.csv"))

@@ -45,6 +45,7 @@ FIRST_VARIABLES_TIMEOUT_S = 120.0
 WRITE_TIMEOUT_S = 5.0
 PROBE_EVERY_S = 0.5
 EXIT_SERVER_GONE = 3
+EXIT_ID_TAKEN = 2
 DEFAULT_SERVER_TIMEOUT_S = 60.0
 
 
@@ -309,12 +310,18 @@ def run_actor(
     max_episodes: Optional[int] = None,
     server_timeout_s: Optional[float] = None,
     forwarder: Optional["RowForwarder"] = None,
+    takeover_id: bool = False,
 ) -> int:
-    """Actor main loop: act, write transitions, log each episode (and send it with `forwarder`); 0, or
-    EXIT_SERVER_GONE when the replay service left."""
+    """Actor main loop: lease the id, act, write transitions, log each episode (and send it with `forwarder`);
+    0, EXIT_ID_TAKEN when another actor holds the id, or EXIT_SERVER_GONE when the replay service left.
+
+    `takeover_id`: the launcher's own actors take their slot's lease over (a restart replaces a dead holder).
+    """
+    from actorq_jax.launch.leases import IdLease, IdTaken
     from actorq_jax.telemetry import ACTOR_FIELDS, CsvLogger
 
     actor = Actor(run, agent_config, actor_id, address, stop, restart, server_timeout_s)
+    lease = IdLease(address, actor_id, takeover=takeover_id)
     # One row per episode, flushed at once: a killed actor loses no finished episode.
     csv_path = Path(log_dir) / f"actor_{actor_id}.csv"
     logger = CsvLogger(csv_path, ACTOR_FIELDS, flush_every_s=0)
@@ -322,6 +329,11 @@ def run_actor(
     try:
         if not actor.connect():
             return 0
+        try:
+            lease.acquire(timeout_s=actor.link.timeout_s)
+        except IdTaken as error:
+            log.error("%s", error)  # the one line that says why this actor stops
+            return EXIT_ID_TAKEN
         written = 0
         while not stop.is_set() and (max_episodes is None or written < max_episodes):
             row = actor.run_episode()
@@ -336,6 +348,7 @@ def run_actor(
         log.error("%s", gone)  # the one line that says why this actor stops
         return EXIT_SERVER_GONE
     finally:
+        lease.release()
         logger.close()
         actor.close(server_gone=gone is not None)
         if forwarder is not None and (gone is not None or not forwarder.flush()):

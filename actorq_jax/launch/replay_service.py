@@ -29,6 +29,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from actorq_jax.launch import runtime
 from actorq_jax.launch.checkpoint import read_counters
+from actorq_jax.launch.leases import LEASE_REQUESTS, LEASES_TABLE, LeaseBook, lease_tables
 
 log = logging.getLogger(__name__)
 
@@ -102,17 +103,20 @@ class ReplayService:
         self.replay_table = builder.replay_config().name
         restore = restore_point(self.results_dir) if resume else None
         host = run.advertise_host or socket.getfqdn()  # what other machines use to reach this server
-        self.server = ReplayServer(runtime.service_tables(builder) + control_tables(), port=run.port or None,
+        self.server = ReplayServer(runtime.service_tables(builder) + control_tables() + lease_tables(),
+                                   port=run.port or None,
                                    advertised_host=host, checkpoint_dir=self.results_dir / "replay_checkpoints",
                                    restore=restore)
         self.client = self.server.client()
         # Rows and requests a restored table holds were answered before the crash (each checkpoint drains
         # the rows first, and a request is answered after its checkpoint is written).
-        for table in (ACTOR_ROWS_TABLE, REQUESTS_TABLE, REPLIES_TABLE):
+        # Leases are learned again from the actors' next renewals.
+        for table in (ACTOR_ROWS_TABLE, REQUESTS_TABLE, REPLIES_TABLE, LEASE_REQUESTS, LEASES_TABLE):
             self.client.reset(table)
         runtime.publish_config(self.client, config_json)
         # Remote actors' episode rows, into actors/ as the launcher's actors write theirs.
         self.rows = RowDrain(self.client, self.results_dir / "actors", run.num_actors)
+        self.leases = LeaseBook(self.client)
         self.restored = {"checkpoint": restore, "items": self.items()}
         self.checkpoints = 0
 
@@ -191,6 +195,7 @@ def run_replay_service(run: Any, agent_config: Any, config_json: str, stop: thre
         while not stop.is_set():
             try:
                 service.answer_requests()
+                service.leases.handle()
                 if time.monotonic() - last_report >= REPORT_EVERY_S:
                     service.rows.drain()
                     service.report("running")

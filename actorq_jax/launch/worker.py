@@ -39,6 +39,11 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--parent_pid", type=int, default=0, help="the launcher's pid (0: whoever started us)")
     args = parser.parse_args(argv)
     runtime.apply_thread_env(args.threads)
+    if args.role == "learner":
+        from actorq_jax.agents.learner_xla import learner_xla_flags
+
+        # The XLA:CPU runtime benchmarks/learner.py measures faster for the SGD step (read at backend start).
+        os.environ["XLA_FLAGS"] = learner_xla_flags(os.environ.get("XLA_FLAGS", ""))
     runtime.die_with_parent()
     parent = args.parent_pid or os.getppid()
     if os.getppid() != parent:  # the launcher died before the death signal was armed
@@ -72,8 +77,8 @@ def main(argv: Optional[list] = None) -> int:
         from actorq_jax.launch.actor import run_actor
 
         target = lambda: run_actor(  # noqa: E731
-            run, agent_config, args.actor_id, args.server, stop, results_dir / "actors", restart=args.restart
-        )
+            run, agent_config, args.actor_id, args.server, stop, results_dir / "actors", restart=args.restart,
+            takeover_id=True)
     else:
         from actorq_jax.launch.evaluator import run_evaluator
 

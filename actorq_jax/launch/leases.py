@@ -1,0 +1,174 @@
+"""One id, one actor: leases on actor ids, held at the replay service.
+
+Two hand-started actors given the same `--actor_id` would interleave their rows in
+one results file. So an actor asks the service for a lease on its id before it
+acts: a JSON request into the LEASE_REQUESTS table (holder = host:pid, a random
+token, a time to live). The service grants it when the id is free, expired, already
+this token's, or when the request takes the slot over (the launcher restarting its
+own actor), and publishes every lease in the LEASES_TABLE, a size-1 table all
+actors read. The actor renews its lease while it runs and releases it at exit; a
+lease not renewed within its time to live expires (its holder died), and a
+restarted service learns the leases again from the next renewals.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from typing import Any, Dict, Optional
+
+log = logging.getLogger(__name__)
+
+LEASE_REQUESTS = "lease_requests"
+LEASES_TABLE = "leases"
+LEASE_TTL_S = 10.0
+# Renewals per time to live: a lease survives two lost renewals.
+RENEWALS_PER_TTL = 3
+REFUSALS_KEPT_S = 60.0
+
+
+class IdTaken(RuntimeError):
+    """Another live actor holds the lease on this actor id."""
+
+
+def lease_tables() -> list:
+    """The service's lease tables: requests to it, and the leases it grants (newest state only)."""
+    from actorq_jax.replay import make_variables_table
+    from actorq_jax.replay.messages import make_message_table
+
+    return [make_message_table(LEASE_REQUESTS), make_variables_table(LEASES_TABLE)]
+
+
+class LeaseBook:
+    """The service's side: grants, renews, releases and expires leases, and publishes them."""
+
+    def __init__(self, client: Any, clock: Any = time.monotonic):
+        self._client = client
+        self._clock = clock
+        self._leases: Dict[int, Dict[str, Any]] = {}
+        # Requests refused lately (token -> holder, when): the asker learns why, not only that it waits.
+        self._refused: Dict[str, Any] = {}
+        self._published: Optional[str] = None
+
+    def handle(self) -> None:
+        """Applies every waiting request and publishes the leases when they changed."""
+        from actorq_jax.replay.messages import take_messages
+
+        for request in take_messages(self._client, LEASE_REQUESTS):
+            try:
+                self._apply(request)
+            except (KeyError, TypeError, ValueError) as error:
+                log.warning("ignored a malformed lease request %r: %s", request, error)
+        now = self._clock()
+        self._refused = {t: r for t, r in self._refused.items() if now - r[1] < REFUSALS_KEPT_S}
+        for actor_id in [i for i, lease in self._leases.items() if lease["expires"] <= now]:
+            log.info("lease on actor id %d of %s expired", actor_id, self._leases[actor_id]["holder"])
+            del self._leases[actor_id]
+        self._publish()
+
+    def _apply(self, request: Dict[str, Any]) -> None:
+        actor_id, token = int(request["actor_id"]), str(request["token"])
+        held = self._leases.get(actor_id)
+        if request.get("release"):
+            if held is not None and held["token"] == token:
+                del self._leases[actor_id]
+            return
+        now = self._clock()
+        if held is None or held["expires"] <= now or held["token"] == token or request.get("takeover"):
+            self._leases[actor_id] = {"holder": str(request["holder"]), "token": token,
+                                      "expires": now + float(request["ttl_s"])}
+        else:
+            self._refused[token] = (held["holder"], now)
+
+    def _publish(self) -> None:
+        import numpy as np
+
+        state = json.dumps({
+            "leases": {str(i): {"holder": lease["holder"], "token": lease["token"]}
+                       for i, lease in sorted(self._leases.items())},
+            "refused": {token: holder for token, (holder, _) in sorted(self._refused.items())}})
+        if state != self._published:
+            self._client.insert([np.frombuffer(state.encode(), np.uint8)], {LEASES_TABLE: 1.0})
+            self._published = state
+
+
+def read_leases(client: Any, timeout_s: int = 5) -> Dict[str, Any]:
+    """What the service published: {"leases": {actor_id: {holder, token}}, "refused": {token: holder}}."""
+    if int(client.server_info(timeout=timeout_s)[LEASES_TABLE].current_size) == 0:
+        return {"leases": {}, "refused": {}}
+    sample = next(client.sample(LEASES_TABLE, num_samples=1, emit_timesteps=False))
+    state = json.loads(bytes(sample.data[0]).decode())
+    return {"leases": {int(k): v for k, v in state["leases"].items()}, "refused": state["refused"]}
+
+
+class IdLease:
+    """An actor's lease on its id: acquire() before acting, renewed in the background, release() at exit."""
+
+    def __init__(self, address: str, actor_id: int, takeover: bool = False, ttl_s: float = LEASE_TTL_S):
+        self.address = address
+        self.actor_id = int(actor_id)
+        self.takeover = takeover
+        self.ttl_s = float(ttl_s)
+        self.holder = f"{socket.gethostname()}:{os.getpid()}"
+        self.token = secrets.token_hex(8)
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def _send(self, client: Any, release: bool = False) -> None:
+        from actorq_jax.replay.messages import send_message
+
+        send_message(client, LEASE_REQUESTS, {
+            "actor_id": self.actor_id, "holder": self.holder, "token": self.token, "ttl_s": self.ttl_s,
+            "takeover": self.takeover, "release": release}, timeout_s=5.0)
+
+    def acquire(self, timeout_s: float = 30.0) -> None:
+        """Takes the lease (then renews it in the background); IdTaken naming the holder when another has it."""
+        import reverb
+
+        client = reverb.Client(self.address)
+        self._send(client)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            state = read_leases(client)
+            lease = state["leases"].get(self.actor_id)
+            if lease is not None and lease["token"] == self.token:
+                self._thread = threading.Thread(target=self._renew, name="IdLease", daemon=True)
+                self._thread.start()
+                return
+            if self.token in state["refused"]:
+                raise IdTaken(f"--actor_id {self.actor_id} is held by another actor ({state['refused'][self.token]}); "
+                              f"pick another id, or wait {self.ttl_s:g} s after that actor is gone")
+            time.sleep(0.05)
+        raise TimeoutError(f"the replay service at {self.address} did not answer the lease on actor id "
+                           f"{self.actor_id} within {timeout_s:g} s")
+
+    def _renew(self) -> None:
+        import reverb
+
+        client = reverb.Client(self.address)
+        while not self._stop.wait(self.ttl_s / RENEWALS_PER_TTL):
+            try:
+                self._send(client)
+            except (reverb.DeadlineExceededError, RuntimeError) as error:
+                # The service is away; the actor's own link decides whether to give up. A fresh client next time.
+                log.debug("lease renewal failed: %s", error)
+                client = reverb.Client(self.address)
+
+    def release(self) -> None:
+        """Stops renewing and gives the id back (best effort: an unreleased lease expires)."""
+        import reverb
+
+        self._stop.set()
+        if self._thread is None:
+            return
+        self._thread.join(timeout=1.0)
+        self._thread = None
+        try:
+            self._send(reverb.Client(self.address), release=True)
+        except (reverb.DeadlineExceededError, RuntimeError) as error:
+            log.debug("lease release failed (it expires instead): %s", error)

@@ -1,0 +1,75 @@
+"""One id, one actor: leases on actor ids at a real Reverb server (in this process)."""
+
+import threading
+import time
+
+import pytest
+import reverb
+
+from actorq_jax.launch.leases import IdLease, IdTaken, LeaseBook, lease_tables, read_leases
+
+pytestmark = pytest.mark.process
+
+
+@pytest.fixture
+def service():
+    """A server with the lease tables and a thread applying requests, as the replay service's loop does."""
+    from actorq_jax.replay import ReplayServer
+
+    server = ReplayServer(lease_tables())
+    book = LeaseBook(server.client())
+    done = threading.Event()
+
+    def serve():
+        while not done.is_set():
+            book.handle()
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    yield f"localhost:{server.port}"
+    done.set()
+    thread.join()
+    server.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_second_actor_asking_for_a_held_id_is_refused_naming_the_holder(service):
+    first = IdLease(service, 7)
+    first.acquire(timeout_s=10)
+    try:
+        second = IdLease(service, 7)
+        second.holder = "otherhost:42"
+        with pytest.raises(IdTaken, match=r"--actor_id 7 is held by another actor \(.*:\d+\)"):
+            second.acquire(timeout_s=10)
+        # Another id is free.
+        other = IdLease(service, 8)
+        other.acquire(timeout_s=10)
+        other.release()
+    finally:
+        first.release()
+    # Released: the id is free again at once.
+    third = IdLease(service, 7)
+    third.acquire(timeout_s=10)
+    third.release()
+
+
+@pytest.mark.timeout(60)
+def test_a_restarted_launcher_actor_takes_its_slot_over_and_a_dead_holders_lease_expires(service):
+    dead = IdLease(service, 3, ttl_s=1.0)
+    dead.acquire(timeout_s=10)
+    dead._stop.set()  # it stops renewing, as a killed process would, and never releases
+    restarted = IdLease(service, 3, takeover=True)
+    restarted.acquire(timeout_s=10)
+    assert read_leases(reverb.Client(service))["leases"][3]["token"] == restarted.token
+    restarted.release()
+
+    gone = IdLease(service, 5, ttl_s=1.0)
+    gone.acquire(timeout_s=10)
+    gone._stop.set()
+    with pytest.raises(IdTaken):
+        IdLease(service, 5).acquire(timeout_s=10)
+    time.sleep(1.5)  # past its time to live, unrenewed
+    back = IdLease(service, 5)
+    back.acquire(timeout_s=10)
+    back.release()
