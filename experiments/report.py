@@ -70,7 +70,8 @@ def render_rq2(study_dir: Path, figures_dir: Path, figure_link: str) -> str:
     lines += ["", analysis.bits_markdown(table, TOLERANCE), ""]
     lines.append(f"Final: the shutdown evaluation's mean return over its episodes; best: the highest evaluation's; "
                  f"mean ± sample std over seeds. \"Within {TOLERANCE:.0%}\": mean final return >= q=32's less "
-                 f"{TOLERANCE:.0%} of its size; a higher return counts as within.")
+                 f"{TOLERANCE:.0%} of its size; a higher return counts as within, and the bit-widths above the "
+                 f"fewest need not pass.")
     if not table.empty:
         analysis.save_figure(analysis.plot_return_vs_bits(table), figures_dir / "rq2_return_vs_bits.png")
         lines += ["", f"![final and best return against actor bits]({figure_link}rq2_return_vs_bits.png)"]
