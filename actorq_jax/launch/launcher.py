@@ -310,7 +310,13 @@ class Launcher:
 
     def _shutdown(self, replay: Worker, learner: Worker) -> None:
         self._terminate([w for w in self.workers if w.role == "actor"], ACTOR_STOP_TIMEOUT_S)
-        # The learner's final checkpoint and publication go through the service, which is still up.
+        # The learner's final checkpoint and publication go through the service, which is still up. A learner
+        # that reported "done" is exiting on its own: a signal now could land in its interpreter's teardown.
+        if runtime.read_status(self.results_dir, "learner").get("phase") == "done" and learner.process is not None:
+            try:
+                learner.process.wait(timeout=LEARNER_FINAL_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                pass
         self._terminate([learner], LEARNER_FINAL_TIMEOUT_S)
         self._terminate([w for w in self.workers if w.role == "evaluator"], EVALUATOR_FINAL_TIMEOUT_S)
         self._terminate([replay], ACTOR_STOP_TIMEOUT_S)
