@@ -1,4 +1,4 @@
-"""Remote actors' episode rows travel over the learner's Reverb server into the run's actors/ directory.
+"""Remote actors' episode rows travel over the replay service into the run's actors/ directory, each exactly once.
 
 Real Reverb servers on free localhost ports; the end-to-end form (a hand-started remote actor
 beside a launcher run) is in test_launch.py.
@@ -16,16 +16,16 @@ from actorq_jax.launch.actor_rows import (
     check_remote_actor_id,
     decode_row,
     encode_row,
-    make_actor_rows_table,
+    make_actor_rows_tables,
 )
 from actorq_jax.launch.launcher import free_port
 from actorq_jax.replay import ReplayServer
 from actorq_jax.telemetry import ACTOR_FIELDS, read_csv
 
 
-def _row(actor_id: int, episode: int) -> dict:
+def _row(actor_id: int, episode: int, incarnation: str = "a1") -> dict:
     row = {field: 0.25 for field in ACTOR_FIELDS}
-    row.update(actor_id=actor_id, episode=episode, env_index=0, env_steps=1000 * (episode + 1),
+    row.update(actor_id=actor_id, incarnation=incarnation, episode=episode, env_index=0, env_steps=1000 * (episode + 1),
                episode_return=float(episode) + 0.5, episode_length=1000, params_version=3, rejected_payloads=0)
     return row
 
@@ -60,26 +60,28 @@ def test_remote_actor_ids_must_not_be_a_launcher_actors():
 
 @pytest.mark.process
 @pytest.mark.timeout(60)
-def test_forwarded_rows_are_drained_into_their_actors_csv(tmp_path):
-    server = ReplayServer([make_actor_rows_table()])
+def test_forwarded_rows_are_drained_into_their_actors_csv_and_acknowledged(tmp_path):
+    server = ReplayServer(make_actor_rows_tables())
     try:
         drain = RowDrain(server.client(), tmp_path / "actors", num_local_actors=2)
         assert drain.drain() == 0  # an empty table: nothing written, no wait
         seven, nine = RowForwarder(server.address, 5.0), RowForwarder(server.address, 5.0)
-        for episode in range(3):
+        for episode in range(1, 4):
             seven.send(_row(7, episode))
-        nine.send(_row(9, 0))
+        nine.send(_row(9, 1, "b2"))
         # A row with a launcher actor's id, and bytes that are no row: counted, never written.
-        RowForwarder(server.address, 5.0).send(_row(1, 0))
+        RowForwarder(server.address, 5.0).send(_row(1, 1))
         server.client().insert([np.frombuffer(b"\x00garbage", np.uint8)], {ACTOR_ROWS_TABLE: 1.0})
-        assert (seven.sent, seven.unsent, nine.sent) == (3, 0, 1)
+        # Sent, and kept in the outbox until the service says it wrote them.
+        assert (seven.sent, seven.unsent, nine.sent) == (3, 3, 1)
         assert drain.drain() == 4 and drain.rejected == 2
         assert drain.drain() == 0  # each row is read once
-        seven.send(_row(7, 3))
+        assert seven.flush() and nine.flush() and (seven.unsent, nine.unsent) == (0, 0)
+        seven.send(_row(7, 4))
         assert drain.drain() == 1
         drain.close()
-        assert read_csv(tmp_path / "actors" / "actor_7.csv") == [_row(7, e) for e in range(4)]
-        assert read_csv(tmp_path / "actors" / "actor_9.csv") == [_row(9, 0)]
+        assert read_csv(tmp_path / "actors" / "actor_7.csv") == [_row(7, e) for e in range(1, 5)]
+        assert read_csv(tmp_path / "actors" / "actor_9.csv") == [_row(9, 1, "b2")]
         assert sorted(p.name for p in (tmp_path / "actors").iterdir()) == ["actor_7.csv", "actor_9.csv"]
     finally:
         server.stop()
@@ -87,24 +89,38 @@ def test_forwarded_rows_are_drained_into_their_actors_csv(tmp_path):
 
 @pytest.mark.process
 @pytest.mark.timeout(90)
-def test_rows_wait_while_the_learner_is_away_and_go_when_it_is_back(tmp_path):
+def test_rows_lost_with_a_killed_service_are_sent_again_and_written_exactly_once(tmp_path, monkeypatch):
+    from actorq_jax.launch import actor_rows
+
+    monkeypatch.setattr(actor_rows, "RESEND_S", 0.5)
     port = free_port()
-    server = ReplayServer([make_actor_rows_table()], port=port)
+    server = ReplayServer(make_actor_rows_tables(), port=port)
     forwarder = RowForwarder(server.address, 2.0)
-    forwarder.send(_row(7, 0))
-    server.stop()
-    start = time.monotonic()
+    drain = RowDrain(server.client(), tmp_path, num_local_actors=1)
     forwarder.send(_row(7, 1))
-    forwarder.send(_row(7, 2))
+    assert drain.drain() == 1
+    forwarder.send(_row(7, 2))  # sent; the service dies before its next drain
+    server.stop()
+    drain.close()
+    start = time.monotonic()
+    forwarder.send(_row(7, 3))
+    forwarder.send(_row(7, 4))
     assert time.monotonic() - start < 15  # bounded: one failed try per send, not a hang
-    assert (forwarder.sent, forwarder.unsent) == (1, 2)
-    server = ReplayServer([make_actor_rows_table()], port=port)  # the restarted learner, same address
+    # Row 1 was acknowledged and left the outbox; row 2 was sent but not written, rows 3 and 4 not sent.
+    assert (forwarder.sent, forwarder.unsent) == (2, 3)
+    server = ReplayServer(make_actor_rows_tables(), port=port)  # the restarted service, same address, empty tables
     try:
-        assert forwarder.flush() and (forwarder.sent, forwarder.unsent) == (3, 0)
+        # The restarted service reads back what actors/ holds, so it acknowledges row 1 again.
         drain = RowDrain(server.client(), tmp_path, num_local_actors=1)
-        assert drain.drain() == 2
+        time.sleep(0.6)  # row 2's first copy is now due again
+        assert forwarder.flush()
+        assert drain.drain() == 3  # rows 2, 3, 4; none twice
+        # An acknowledgement the sender never saw: the row comes again and is not written again.
+        forwarder._outbox[(7, "a1", 4)] = (actor_rows.encode_row(_row(7, 4)), None)
+        forwarder._insert(actor_rows.encode_row(_row(7, 4)))
+        assert drain.drain() == 0 and drain.duplicates == 1
+        assert forwarder.wait_acknowledged(5.0) and forwarder.unsent == 0
         drain.close()
-        assert [r["episode"] for r in read_csv(tmp_path / "actor_7.csv")] == [1, 2]  # in order
+        assert [r["episode"] for r in read_csv(tmp_path / "actor_7.csv")] == [1, 2, 3, 4]  # in order, once each
     finally:
         server.stop()
-

@@ -28,6 +28,7 @@ import collections
 import dataclasses
 import json
 import logging
+import secrets
 import sys
 import threading
 import time
@@ -46,6 +47,8 @@ WRITE_TIMEOUT_S = 5.0
 PROBE_EVERY_S = 0.5
 EXIT_SERVER_GONE = 3
 EXIT_ID_TAKEN = 2
+# How long an exiting remote actor waits for the service to acknowledge its last rows.
+ACK_WAIT_S = 15.0
 DEFAULT_SERVER_TIMEOUT_S = 60.0
 
 
@@ -132,6 +135,8 @@ class Actor:
         self._ready: Deque[Dict[str, Any]] = collections.deque()  # rows of finished episodes run_episode has not returned
         self.steps = 0  # actor steps: each steps every environment once (and is each one's step count)
         self.total_steps = self.episodes = self.abandoned = self._timings_seen = 0
+        # This process's token: a row's identity is (actor_id, incarnation, episode), unique across restarts.
+        self.incarnation = secrets.token_hex(6)
         self.start = time.monotonic()
 
     # -- connection ---------------------------------------------------------------
@@ -280,6 +285,7 @@ class Actor:
         totals["adder"] = max(0.0, totals.get("adder", 0.0) - totals.get("rate_limit_wait", 0.0))
         return {
             "actor_id": self.actor_id,
+            "incarnation": self.incarnation,
             "episode": self.episodes,
             "env_index": finished.env_index,
             "env_steps": self.total_steps,
@@ -351,7 +357,7 @@ def run_actor(
         lease.release()
         logger.close()
         actor.close(server_gone=gone is not None)
-        if forwarder is not None and (gone is not None or not forwarder.flush()):
+        if forwarder is not None and (gone is not None or not forwarder.wait_acknowledged(ACK_WAIT_S)):
             log.warning("%d episode rows did not reach the run's results directory; %s has them all",
                         forwarder.unsent, csv_path)
 

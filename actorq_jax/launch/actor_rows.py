@@ -16,16 +16,22 @@ and dropped, never written.
 """
 
 import collections
+import json
 import logging
 import math
+import time
 from pathlib import Path
-from typing import Any, Deque, Dict, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
 log = logging.getLogger(__name__)
 
 ACTOR_ROWS_TABLE = "actor_rows"
+# The service's acknowledgements of the rows it wrote (newest episode per sender), read by every sender.
+ROWS_WRITTEN_TABLE = "actor_rows_written"
+# A forwarded row not acknowledged within this long is sent again (its first copy died with a service).
+RESEND_S = 10.0
 # Rows the table holds before the oldest is dropped (a service that does not drain); the
 # remote actor's own CSV still has them.
 MAX_PENDING_ROWS = 10_000
@@ -35,11 +41,13 @@ MAX_UNSENT_ROWS = 10_000
 MAX_ROW_BYTES = 16_384
 
 
-def make_actor_rows_table() -> Any:
-    """The FIFO table remote actors insert episode rows into; each row is read once by the replay service."""
+def make_actor_rows_tables() -> List[Any]:
+    """The FIFO table remote actors insert episode rows into (each row read once by the replay service), and the
+    table of its acknowledgements."""
+    from actorq_jax.replay import make_variables_table
     from actorq_jax.replay.messages import make_message_table
 
-    return make_message_table(ACTOR_ROWS_TABLE, max_size=MAX_PENDING_ROWS)
+    return [make_message_table(ACTOR_ROWS_TABLE, max_size=MAX_PENDING_ROWS), make_variables_table(ROWS_WRITTEN_TABLE)]
 
 
 def encode_row(row: Mapping[str, Any]) -> np.ndarray:
@@ -68,51 +76,99 @@ def decode_row(data: Any) -> Dict[str, Any]:
     return row
 
 
+def row_identity(row: Mapping[str, Any]) -> Optional[Tuple[int, str, int]]:
+    """(actor_id, incarnation, episode) of a row, or None for a row without an incarnation."""
+    incarnation = row.get("incarnation")
+    if incarnation in (None, ""):
+        return None
+    return int(row["actor_id"]), str(incarnation), int(row["episode"])
+
+
+def read_written(client: Any, timeout_s: int = 5) -> Dict[str, int]:
+    """The service's acknowledgements: {"<actor_id>/<incarnation>": newest episode written} ({} before any)."""
+    if int(client.server_info(timeout=timeout_s)[ROWS_WRITTEN_TABLE].current_size) == 0:
+        return {}
+    sample = next(client.sample(ROWS_WRITTEN_TABLE, num_samples=1, emit_timesteps=False))
+    return dict(json.loads(bytes(sample.data[0]).decode()))
+
+
 class RowForwarder:
-    """A remote actor's side: sends each finished episode's row to the replay service; unsent rows wait for the next try."""
+    """A remote actor's side: each finished episode's row goes to the replay service and stays in the outbox until
+    the service says it wrote it; a row unacknowledged for RESEND_S (the service died before writing it) is sent
+    again, and the service writes each row once."""
 
     def __init__(self, address: str, timeout_s: float):
         self._address = address
         self._client: Any = None
         self._timeout_ms = max(1, int(timeout_s * 1000))
-        self._unsent: Deque[np.ndarray] = collections.deque(maxlen=MAX_UNSENT_ROWS)
+        # identity -> (encoded row, when last sent or None); oldest first.
+        self._outbox: "collections.OrderedDict[Tuple[int, str, int], Tuple[np.ndarray, Optional[float]]]" = \
+            collections.OrderedDict()
         self.sent = 0
 
     @property
     def unsent(self) -> int:
-        """Rows not (yet) on the replay service."""
-        return len(self._unsent)
+        """Rows the service has not acknowledged (yet)."""
+        return len(self._outbox)
 
     def send(self, row: Mapping[str, Any]) -> None:
-        """Queues `row` and sends what is queued (each insert bounded by the timeout)."""
-        self._unsent.append(encode_row(row))
+        """Queues `row` (it must carry an incarnation) and sends what is due (each insert bounded by the timeout)."""
+        identity = row_identity(row)
+        if identity is None:
+            raise ValueError(f"a forwarded row needs an incarnation, got {dict(row)!r}")
+        self._outbox[identity] = (encode_row(row), None)
+        while len(self._outbox) > MAX_UNSENT_ROWS:
+            self._outbox.popitem(last=False)  # the actor's own CSV keeps it
         self.flush()
 
     def flush(self) -> bool:
-        """Sends queued rows in order until one fails; whether all were sent."""
+        """Drops acknowledged rows, sends those due in order until one fails; whether every row was sent."""
         import reverb
 
-        while self._unsent:
-            writer = None
+        if not self._outbox:
+            return True
+        try:
             if self._client is None:
                 self._client = reverb.Client(self._address)
-            try:
-                writer = self._client.trajectory_writer(num_keep_alive_refs=1, validate_items=False)
-                writer.append([self._unsent[0]])
-                writer.create_item(ACTOR_ROWS_TABLE, 1.0, [writer.history[0][-1]])
-                writer.end_episode(timeout_ms=self._timeout_ms)
-            except (reverb.DeadlineExceededError, RuntimeError) as error:
-                # The service is away (restarting, or gone): the row stays queued, and in the actor's CSV.
-                log.debug("could not forward an episode row: %s", error)
-                # A fresh client next time: a channel that saw its server go backs off for minutes.
-                self._client = None
-                return False
-            finally:
-                if writer is not None:
-                    writer.close()
-            self._unsent.popleft()
-            self.sent += 1
+            self._drop_acknowledged()
+            now = time.monotonic()
+            for identity, (data, sent_at) in list(self._outbox.items()):
+                if sent_at is None or now - sent_at >= RESEND_S:
+                    self._insert(data)
+                    self._outbox[identity] = (data, now)
+                    self.sent += 1
+        except (reverb.DeadlineExceededError, RuntimeError) as error:
+            # The service is away (restarting, or gone): the rows stay queued, and in the actor's CSV.
+            log.debug("could not forward an episode row: %s", error)
+            # A fresh client next time: a channel that saw its server go backs off for minutes.
+            self._client = None
+            return False
         return True
+
+    def wait_acknowledged(self, timeout_s: float) -> bool:
+        """Flushes until the service acknowledged every row or `timeout_s` passes; whether it did."""
+        deadline = time.monotonic() + timeout_s
+        while self._outbox and time.monotonic() < deadline:
+            self.flush()
+            if self._outbox:
+                time.sleep(0.2)
+        return not self._outbox
+
+    def _drop_acknowledged(self) -> None:
+        written = read_written(self._client)
+        for identity in list(self._outbox):
+            actor_id, incarnation, episode = identity
+            if episode <= written.get(f"{actor_id}/{incarnation}", 0):
+                del self._outbox[identity]
+
+    def _insert(self, data: np.ndarray) -> None:
+        writer = self._client.trajectory_writer(num_keep_alive_refs=1, validate_items=False)
+        try:
+            writer.append([data])
+            writer.create_item(ACTOR_ROWS_TABLE, 1.0, [writer.history[0][-1]])
+            writer.end_episode(timeout_ms=self._timeout_ms)
+        finally:
+            writer.close()
 
 
 class RowDrain:
@@ -124,6 +180,25 @@ class RowDrain:
         self._num_local = int(num_local_actors)
         self._loggers: Dict[int, Any] = {}
         self.rejected = 0
+        self.duplicates = 0
+        # Every row identity already in the results directory (a restarted service reads them back), and the
+        # newest episode written per sender: what the senders' outboxes may let go of.
+        self._written: set = set()
+        self._acked: Dict[str, int] = {}
+        for path in sorted(self._dir.glob("actor_*.csv")):
+            for row in _read_csv(path):
+                identity = row_identity(row)
+                if identity is not None:
+                    self._remember(identity)
+        self._publish_acks()
+
+    def _remember(self, identity: Tuple[int, str, int]) -> None:
+        self._written.add(identity)
+        key = f"{identity[0]}/{identity[1]}"
+        self._acked[key] = max(self._acked.get(key, 0), identity[2])
+
+    def _publish_acks(self) -> None:
+        self._client.insert([np.frombuffer(json.dumps(self._acked).encode(), np.uint8)], {ROWS_WRITTEN_TABLE: 1.0})
 
     def discard(self) -> None:
         """Empties the table: rows restored from a replay checkpoint were drained before the crash."""
@@ -147,8 +222,15 @@ class RowDrain:
                 self.rejected += 1
                 log.warning("dropped a remote actor's episode row (%d so far): %s", self.rejected, error)
                 continue
+            identity = row_identity(row)
+            if identity is not None and identity in self._written:
+                self.duplicates += 1  # sent again after a lost acknowledgement: written already
+                continue
             self._logger(row["actor_id"]).write(row)
+            if identity is not None:
+                self._remember(identity)
             written += 1
+        self._publish_acks()
         return written
 
     def close(self) -> None:
@@ -174,3 +256,12 @@ def check_remote_actor_id(actor_id: int, num_local_actors: int) -> Optional[str]
         return (f"--actor_id {actor_id} is one of the run's {num_local_actors} launcher actors "
                 f"(ids 0-{num_local_actors - 1}); pick an id >= {num_local_actors}")
     return None
+
+
+def _read_csv(path: Path) -> List[Dict[str, Any]]:
+    from actorq_jax.telemetry import read_csv
+
+    try:
+        return read_csv(path)
+    except (FileNotFoundError, ValueError):
+        return []

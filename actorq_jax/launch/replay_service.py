@@ -95,7 +95,7 @@ class ReplayService:
     """The Reverb server of a run and the loop that answers its control requests."""
 
     def __init__(self, builder: Any, run: Any, results_dir: Path, config_json: str, resume: bool):
-        from actorq_jax.launch.actor_rows import ACTOR_ROWS_TABLE, RowDrain
+        from actorq_jax.launch.actor_rows import ACTOR_ROWS_TABLE, ROWS_WRITTEN_TABLE, RowDrain
         from actorq_jax.replay import ReplayServer
 
         self.run = run
@@ -111,7 +111,8 @@ class ReplayService:
         # Rows and requests a restored table holds were answered before the crash (each checkpoint drains
         # the rows first, and a request is answered after its checkpoint is written).
         # Leases are learned again from the actors' next renewals.
-        for table in (ACTOR_ROWS_TABLE, REQUESTS_TABLE, REPLIES_TABLE, LEASE_REQUESTS, LEASES_TABLE):
+        # Acknowledgements are rebuilt from the rows in actors/ (RowDrain reads them back).
+        for table in (ACTOR_ROWS_TABLE, ROWS_WRITTEN_TABLE, REQUESTS_TABLE, REPLIES_TABLE, LEASE_REQUESTS, LEASES_TABLE):
             self.client.reset(table)
         runtime.publish_config(self.client, config_json)
         # Remote actors' episode rows, into actors/ as the launcher's actors write theirs.

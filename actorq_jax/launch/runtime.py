@@ -202,7 +202,7 @@ def service_tables(builder: Any, replay: Any = None) -> list:
     config, and the remote actors' episode rows."""
     import numpy as np
 
-    from actorq_jax.launch.actor_rows import make_actor_rows_table
+    from actorq_jax.launch.actor_rows import make_actor_rows_tables
     from actorq_jax.replay import make_replay_table, make_variables_table
 
     observation = np.zeros((builder.spec.observation_dim,), np.float32)
@@ -211,7 +211,7 @@ def service_tables(builder: Any, replay: Any = None) -> list:
         make_variables_table(VARIABLES_TABLE),
         make_variables_table(EVAL_VARIABLES_TABLE),
         make_variables_table(CONFIG_TABLE),
-        make_actor_rows_table(),
+        *make_actor_rows_tables(),
     ]
 
 

@@ -5,14 +5,15 @@
 # rate limiter refusing inserts because the learner is behind): large means the learner bounds the run.
 ACTOR_PHASES = ("env_step", "inference", "adder", "rate_limit_wait", "pull", "deserialize", "load")
 
-# actors/actor_<i>.csv: one row per finished episode; env_index is which of the actor's environments
+# actors/actor_<i>.csv: one row per finished episode; (actor_id, incarnation, episode) is its identity
+# (incarnation: a token of the actor process, so a row sent twice is written once); env_index is which of the actor's environments
 # (--envs_per_actor) finished it, episode and env_steps count over all of them. rejected_payloads counts (cumulatively) the
 # variable payloads the actor refused (malformed, non-finite, or not fitting its network). <phase>_s is a
 # phase's wall time in the episode, <phase>_cpu_s the CPU time its thread spent in it: wall well above CPU
 # means the process waited for a core (or, for adder and pull, for the server).
 ACTOR_FIELDS = (
-    "actor_id", "episode", "env_index", "env_steps", "episode_return", "episode_length", "wall_seconds", "params_version",
-    "rejected_payloads",
+    "actor_id", "incarnation", "episode", "env_index", "env_steps", "episode_return", "episode_length", "wall_seconds",
+    "params_version", "rejected_payloads",
 ) + tuple(f"{phase}_s" for phase in ACTOR_PHASES) + tuple(f"{phase}_cpu_s" for phase in ACTOR_PHASES)
 
 # eval.csv: one row per evaluation episode and policy ("fp32", or "actor": what actors run).
