@@ -12,9 +12,10 @@ Each run is a real launcher run (learner + Reverb, 2 actors, evaluator) in the p
 replay regime (`--rate_limiter min_size --max_times_sampled N`: actors run free; `--rate_limiter ratio`
 holds them to `--samples_per_insert` instead). Runs
 alternate q=32, q=8, q=32, q=8, ... within each seed so the machine's drift hits both,
-in two layouts: `shared` (every process on every core) and `pinned` (the learner on
-core 0, actors and evaluator on the rest: the learner's speed cannot depend on the
-actors' precision). Time to target is `actorq_jax.analysis.aggregate.time_to_target`: the
+in two layouts (the runs' `--layout`): `shared` (every process on every core) and `pinned`
+(the learner alone on core 0; the replay service, actors and evaluator on the rest: the
+learner's speed cannot depend on the actors' precision, as the paper's learner had a GPU).
+Time to target is `actorq_jax.analysis.aggregate.time_to_target`: the
 wall time of the first evaluation whose mean fp32 return is at or above `--target_fraction`
 of the task's best return (final evaluation included); a run that misses it is "not
 reached" (`-`), never counted as its budget. Energy to target prorates the run's codecarbon
@@ -61,12 +62,9 @@ BITS = (32, 8)
 
 
 def _layout_flags(layout: str) -> List[str]:
-    if layout == "shared":
-        return []
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2:
+    if layout == "pinned" and len(os.sched_getaffinity(0)) < 2:
         raise SystemExit("end_to_end: the pinned layout needs at least 2 cores")
-    return ["--learner_cpus", str(cores[0]), "--actor_cpus", ",".join(map(str, cores[1:]))]
+    return ["--layout", layout]
 
 
 def _run(agent: str, layout: str, bits: int, seed: int, args: argparse.Namespace, out: Path) -> Path:
