@@ -46,7 +46,7 @@ from actorq_jax.telemetry import write_json  # noqa: E402
 from actorq_jax.telemetry.machine import machine_info  # noqa: E402
 
 # Per agent: task, the return that counts as solved, and layer flags. D4PG's policy size: a learner
-# here makes about 63 / 21.5 / 6.7 SGD steps/s at 256x3 / 1024x3 / 2048x3 (DESIGN.md), and
+# here makes about 63 / 21.5 / 6.7 SGD steps/s at 256x3 / 1024x3 / 2048x3 (benchmarks/learner.py measures it), and
 # cartpole_balance needs roughly 5-10k SGD steps to reach 900 at 256x3, so 256x3 is the largest
 # size whose 3-seed, 2-layout, 2-precision grid (12 runs) fits in about 75 minutes of runs.
 AGENTS = {
