@@ -4,7 +4,8 @@
     python experiments/chaos.py --quick                 # a few minutes; what the test suite runs
 
 Every 20-40 s (seeded) it SIGKILLs a random actor; once it SIGKILLs the learner (the launcher restarts
-it in place), once it stops the whole run and resumes it with --resume, once it inserts a malformed
+it in place), once the replay service (restarted on its port from its last checkpoint while the learner
+and actors reconnect), once it stops the whole run and resumes it with --resume, once it inserts a malformed
 payload into the variables table. Then it runs an undisturbed run of the same number of learner steps
 and checks: every actor CSV row well-formed; learner steps and env steps monotonic across the whole
 run (learner.csv and the summary of each launch); no process left; the chaos run's final evaluation
@@ -36,7 +37,7 @@ RUN_FLAGS = [
     "--server_timeout_s", "60", "--max_actor_restarts", "100000",
 ]
 QUICK_FLAGS = ["--max_replay_size", "5000", "--checkpoint_period", "500"]
-SPECIAL = ("kill_learner", "stop_and_resume", "malformed_payload")
+SPECIAL = ("kill_learner", "kill_replay", "stop_and_resume", "malformed_payload")
 
 
 @dataclasses.dataclass
@@ -131,6 +132,20 @@ def _paused(results: Path, proc: subprocess.Popen, old_pid: Optional[int] = None
     return time.monotonic() - began
 
 
+def _service_paused(results: Path, proc: subprocess.Popen, old_pid: int, timeout_s: float = 600) -> float:
+    """Seconds until a new replay service answers and the learner (not restarted) trains past its step at the kill."""
+    began = time.monotonic()
+    steps = _status(results).get("learner_steps", 0)
+    while time.monotonic() - began < timeout_s and proc.poll() is None:
+        service = _status(results, "replay")
+        if (service.get("phase") == "running" and service.get("pid") != old_pid
+                and _status(results).get("learner_steps", 0) > steps):
+            return time.monotonic() - began
+        time.sleep(0.5)
+    raise RuntimeError(f"the replay service of {results} did not come back within {timeout_s:.0f} s "
+                       f"(launcher code {proc.poll()})")
+
+
 def run_soak(soak: Soak, say) -> Dict[str, Any]:
     """Runs the disturbed run; returns what the checks need (pids seen, summaries of each launch)."""
     rng = random.Random(soak.seed + 1)
@@ -160,6 +175,11 @@ def run_soak(soak: Soak, say) -> Dict[str, Any]:
                 os.kill(status["pid"], signal.SIGKILL)
                 say(f"{at:6.0f}s  SIGKILL learner at step {status.get('learner_steps')}")
                 start += _paused(soak.results, proc, old_pid=status["pid"])
+            elif event == "kill_replay":
+                service = _status(soak.results, "replay")
+                os.kill(service["pid"], signal.SIGKILL)
+                say(f"{at:6.0f}s  SIGKILL replay service at {service.get('env_steps')} env steps")
+                start += _service_paused(soak.results, proc, service["pid"])
             elif event == "malformed_payload":
                 _malformed_payload(_status(soak.results, "replay")["local_address"])
                 say(f"{at:6.0f}s  malformed payload into the variables table")
@@ -209,7 +229,9 @@ def check(soak: Soak, disturbed: Dict[str, Any], reference_dir: Path) -> List[tu
         for i, row in enumerate(read_csv(path)):
             rows += 1
             rejected = max(rejected, row.get("rejected_payloads") or 0)
-            if list(row) != list(ACTOR_FIELDS) or any(not isinstance(row[k], (int, float)) for k in ACTOR_FIELDS):
+            numbers = [k for k in ACTOR_FIELDS if k != "incarnation"]
+            if (list(row) != list(ACTOR_FIELDS) or any(not isinstance(row[k], (int, float)) for k in numbers)
+                    or not isinstance(row["incarnation"], str)):
                 bad_rows.append(f"{path.name}:{i + 2}")
     results.append(("actor CSV rows well-formed", rows > 0 and not bad_rows,
                     f"{rows} rows, {len(bad_rows)} malformed {bad_rows[:5]}; most payloads one actor rejected: {rejected}"))
@@ -245,7 +267,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Runs the soak and its checks; 0 when every check passes."""
     parser = argparse.ArgumentParser(description="Fault-injection soak of one D4PG run (see the module doc).")
     parser.add_argument("--minutes", type=float, default=15.0, help="length of the disturbed run")
-    parser.add_argument("--quick", action="store_true", help="a short soak: 25 s of events 4-6 s apart")
+    parser.add_argument("--quick", action="store_true", help="a short soak: 32 s of events 4-6 s apart")
     parser.add_argument("--num_actors", type=int, default=3, help="actors of the run")
     parser.add_argument("--seed", type=int, default=0, help="seed of the schedule, the victims and the runs")
     parser.add_argument("--results_dir", default=None, help="where both runs go (default results/chaos_<time>)")
@@ -257,8 +279,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     root = Path(args.results_dir or f"results/chaos_{time.strftime('%Y%m%d-%H%M%S')}").absolute()
     if (root / "chaos" / "config.json").exists():
         parser.error(f"--results_dir: {root} already holds a soak")
-    # --quick: room for the three special events and at least one actor kill (restarts stop the clock).
-    seconds, gap = (25.0, (4.0, 6.0)) if args.quick else (args.minutes * 60.0, (20.0, 40.0))
+    # --quick: room for the four special events and at least one actor kill (restarts stop the clock).
+    seconds, gap = (32.0, (4.0, 6.0)) if args.quick else (args.minutes * 60.0, (20.0, 40.0))
     soak = Soak(root / "chaos", seconds, gap, args.num_actors, args.seed,
                 tuple(RUN_FLAGS + (QUICK_FLAGS if args.quick else [])))
 

@@ -14,7 +14,8 @@ def test_quick_chaos_soak_loses_nothing(tmp_path):
     proc = subprocess.run([sys.executable, "experiments/chaos.py", "--quick", "--results_dir", str(tmp_path / "soak")],
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=840)
     out = proc.stdout
-    for event in ("SIGKILL actor", "SIGKILL learner", "stopped the run", "resuming", "malformed payload"):
+    for event in ("SIGKILL actor", "SIGKILL learner", "SIGKILL replay service", "stopped the run", "resuming",
+                  "malformed payload"):
         assert event in out, out[-3000:] + proc.stderr[-3000:]
     for check in ("actor CSV rows well-formed", "learner and env steps monotonic", "no process left",
                   "final return within the undisturbed run's range"):

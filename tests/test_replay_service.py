@@ -165,6 +165,8 @@ def test_killed_service_comes_back_on_its_port_with_its_items_and_nobody_else_re
         back = wait_for(lambda: status(results, "replay").get("pid") not in (None, service["pid"])
                         and status(results, "replay"), 120, "the restarted service", proc)
         assert back["local_address"] == service["local_address"]
+        # The run's env-step count goes on from where it was (the items since the checkpoint are lost, not the steps).
+        assert back["env_steps"] >= service["env_steps"]
         # Restored from the replay checkpoint of the learner's newest checkpoint (or a newer pair).
         name = back["restored"]["checkpoint"]
         assert name and int(name.rpartition("_")[2]) >= counters["learner_steps"]

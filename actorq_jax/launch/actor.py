@@ -136,7 +136,8 @@ class Actor:
         self.steps = 0  # actor steps: each steps every environment once (and is each one's step count)
         self.total_steps = self.episodes = self.abandoned = self._timings_seen = 0
         # This process's token: a row's identity is (actor_id, incarnation, episode), unique across restarts.
-        self.incarnation = secrets.token_hex(6)
+        # (A letter first: a CSV reader must never take it for a number.)
+        self.incarnation = "i" + secrets.token_hex(6)
         self.start = time.monotonic()
 
     # -- connection ---------------------------------------------------------------

@@ -94,6 +94,10 @@ class Learner:
 
             self._multi_step = multi_sgd_step(builder.sgd_step, run.sgd_steps_per_call)
         self._env_steps_cache = (0.0, int(counters.get("env_steps", 0)))
+        # The count goes on from what was counted before, also when the service restarted from an older
+        # replay checkpoint (its insert count went back; the env steps were taken all the same).
+        self._last_inserts = self._inserts()
+        self._env_steps_offset = max(0, int(counters.get("env_steps", 0)) - self._last_inserts)
         self.restored = {"checkpoint": counters.get("replay_checkpoint"), "items": self.items(),
                          "learner_steps": self.steps, "env_steps": int(counters.get("env_steps", 0))}
 
@@ -107,7 +111,8 @@ class Learner:
         return int(self.client.server_info(timeout=30)[self.replay_table].current_size)
 
     def env_steps(self, max_age_s: float = 0.5) -> int:
-        """Transitions inserted into replay (one per actor env step), counted by the service's table."""
+        """Env steps of the run: transitions inserted into replay (one per actor env step), counted by the service's
+        table, never going back (steps lost with a restarted service still count)."""
         now = time.monotonic()
         if now - self._env_steps_cache[0] > max_age_s:
             try:
@@ -116,9 +121,15 @@ class Learner:
                 # A starved or restarting service: the last count is a fine answer for a report.
                 log.warning("replay server_info failed (%s); reporting the last env-step count", error)
                 return self._env_steps_cache[1]
-            # A table restored from a checkpoint restores its insert count too.
-            self._env_steps_cache = (now, int(info.rate_limiter_info.insert_stats.completed))
+            inserts = int(info.rate_limiter_info.insert_stats.completed)
+            if inserts < self._last_inserts:  # the service restarted from a checkpoint's (smaller) count
+                self._env_steps_offset += self._last_inserts - inserts
+            self._last_inserts = inserts
+            self._env_steps_cache = (now, inserts + self._env_steps_offset)
         return self._env_steps_cache[1]
+
+    def _inserts(self) -> int:
+        return int(self.client.server_info(timeout=30)[self.replay_table].rate_limiter_info.insert_stats.completed)
 
     def wait_for_service(self) -> None:
         """Waits for a service that stopped answering to come back; ServiceGone past the server timeout."""

@@ -25,7 +25,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from actorq_jax.launch import runtime
 from actorq_jax.launch.checkpoint import read_counters
@@ -40,6 +40,8 @@ POLL_S = 0.05
 # After a stop request, how long the service stays up for a learner still finishing its last checkpoint
 # (the launcher stops the learner first; a killed launcher signals every worker at once).
 LEARNER_FINAL_GRACE_S = 60.0
+# The same when the launcher is gone: nobody waits for the run, so the workers leave within seconds.
+ORPHAN_LEARNER_GRACE_S = 20.0
 
 
 class ServiceError(RuntimeError):
@@ -119,16 +121,22 @@ class ReplayService:
         self.rows = RowDrain(self.client, self.results_dir / "actors", run.num_actors)
         self.leases = LeaseBook(self.client)
         self.restored = {"checkpoint": restore, "items": self.items()}
+        # Restored from a checkpoint, the insert count goes back to the checkpoint's; the run's env-step count
+        # goes on from this service's last report instead (the steps since were taken, though their items are lost).
+        last = runtime.read_status(self.results_dir, "replay").get("env_steps", 0) if resume else 0
+        self._env_steps_offset = max(0, int(last) - self._inserts())
         self.checkpoints = 0
 
     def items(self) -> int:
         """Items in the replay table now."""
         return int(self.client.server_info(timeout=30)[self.replay_table].current_size)
 
+    def _inserts(self) -> int:
+        return int(self.client.server_info(timeout=5)[self.replay_table].rate_limiter_info.insert_stats.completed)
+
     def env_steps(self) -> int:
-        """Transitions inserted into replay (a restored table restores its insert count)."""
-        info = self.client.server_info(timeout=5)[self.replay_table]
-        return int(info.rate_limiter_info.insert_stats.completed)
+        """Env steps of the run: transitions inserted into replay, going on across this service's restarts."""
+        return self._inserts() + self._env_steps_offset
 
     def answer_requests(self) -> int:
         """Answers every waiting control request; how many."""
@@ -181,7 +189,7 @@ class ReplayService:
 
 
 def run_replay_service(run: Any, agent_config: Any, config_json: str, stop: threading.Event,
-                       resume: bool = False) -> None:
+                       resume: bool = False, launcher_alive: Callable[[], bool] = lambda: True) -> None:
     """Serves the run's tables and answers control requests until `stop`."""
     import reverb
 
@@ -205,7 +213,7 @@ def run_replay_service(run: Any, agent_config: Any, config_json: str, stop: thre
                 # Its own server is starved of CPU: answer on the next pass.
                 log.warning("the replay server was slow to answer its own service loop")
             stop.wait(POLL_S)
-        _serve_until_learner_done(service)
+        _serve_until_learner_done(service, LEARNER_FINAL_GRACE_S if launcher_alive() else ORPHAN_LEARNER_GRACE_S)
         service.report("done")
     finally:
         service.stop()
@@ -222,9 +230,9 @@ def _learner_running(results_dir: Path) -> bool:
     return bool(report.get("pid")) and psutil.pid_exists(int(report["pid"]))
 
 
-def _serve_until_learner_done(service: ReplayService) -> None:
-    """Answers requests until the learner has written its final checkpoint, or LEARNER_FINAL_GRACE_S passes."""
-    deadline = time.monotonic() + LEARNER_FINAL_GRACE_S
+def _serve_until_learner_done(service: ReplayService, grace_s: float) -> None:
+    """Answers requests until the learner has written its final checkpoint, or `grace_s` passes."""
+    deadline = time.monotonic() + grace_s
     while _learner_running(service.results_dir) and time.monotonic() < deadline:
         service.answer_requests()
         time.sleep(POLL_S)

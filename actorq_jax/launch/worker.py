@@ -66,7 +66,7 @@ def main(argv: Optional[list] = None) -> int:
         from actorq_jax.launch.replay_service import run_replay_service
 
         # The service loop only polls and answers: run it on the main thread.
-        run_replay_service(run, agent_config, config_json, stop)
+        run_replay_service(run, agent_config, config_json, stop, launcher_alive=launcher_alive)
         return 0
     if args.role == "learner":
         from actorq_jax.launch.learner import run_learner
