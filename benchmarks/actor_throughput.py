@@ -41,7 +41,7 @@ ACTOR_ID = 1
 
 
 def _serve(backend: str, bits: int, envs: int, publish_every: float, stop: threading.Event, results_dir: str):
-    """Starts a Reverb server with replay, variables and config tables; publishes until `stop`."""
+    """Starts a replay service (its server and its loop) in this process; publishes variables until `stop`."""
     import jax
 
     from actorq_jax.agents.d4pg.builder import D4PGBuilder
@@ -49,8 +49,9 @@ def _serve(backend: str, bits: int, envs: int, publish_every: float, stop: threa
     from actorq_jax.environments import environment_spec, make_environment
     from actorq_jax.launch import runtime
     from actorq_jax.launch.config import RunConfig
+    from actorq_jax.launch.replay_service import ReplayService
     from actorq_jax.quantization import QuantConfig
-    from actorq_jax.replay import ReplayServer, ReplayTableConfig, VariablePublisher
+    from actorq_jax.replay import ReplayTableConfig, VariablePublisher
 
     agent = D4PGConfig(policy_layers=LAYERS)
     run = RunConfig(agent="d4pg", task=TASK, results_dir=results_dir, actor_bits=bits, actor_backend=backend,
@@ -59,9 +60,10 @@ def _serve(backend: str, bits: int, envs: int, publish_every: float, stop: threa
     builder = D4PGBuilder(agent, spec)
     # No learner samples here, so the replay table must not rate-limit the actor.
     replay = ReplayTableConfig(name="replay", max_size=100_000, min_size=1, samples_per_insert=None)
-    server = ReplayServer(runtime.service_tables(builder, replay))
-    client = server.client()
-    runtime.publish_config(client, json.dumps({"run": dataclasses.asdict(run), "agent": dataclasses.asdict(agent)}))
+    config_json = json.dumps({"run": dataclasses.asdict(run), "agent": dataclasses.asdict(agent)})
+    service = ReplayService(builder, run, Path(results_dir), config_json, resume=False, replay=replay)
+    service.serve_in_thread(stop)  # the actor's id lease and its rows' acknowledgements
+    client = service.client
     publisher = VariablePublisher(client, runtime.VARIABLES_TABLE, QuantConfig(bits=bits))
     params = jax.device_get(builder.params_template())
 
@@ -74,7 +76,7 @@ def _serve(backend: str, bits: int, envs: int, publish_every: float, stop: threa
 
     thread = threading.Thread(target=publish_loop, daemon=True)
     thread.start()
-    return server, thread
+    return service, thread
 
 
 def _trial(backend: str, bits: int, envs: int, rounds: int, publish_every: float) -> tuple:
@@ -82,11 +84,11 @@ def _trial(backend: str, bits: int, envs: int, rounds: int, publish_every: float
     median milliseconds per env step of each phase."""
     stop = threading.Event()
     with tempfile.TemporaryDirectory() as tmp:
-        server, thread = _serve(backend, bits, envs, publish_every, stop, tmp)
+        service, thread = _serve(backend, bits, envs, publish_every, stop, tmp)
         try:
             env = {**os.environ, "MUJOCO_GL": "disable", "TF_CPP_MIN_LOG_LEVEL": "2"}
             proc = subprocess.run(
-                [sys.executable, "-m", "actorq_jax.launch.actor", "--server", f"localhost:{server.port}",
+                [sys.executable, "-m", "actorq_jax.launch.actor", "--server", f"localhost:{service.server.port}",
                  "--actor_id", str(ACTOR_ID), "--log_dir", tmp, "--threads", "1", "--max_episodes", str(rounds * envs)],
                 cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
             if proc.returncode != 0:
@@ -98,7 +100,7 @@ def _trial(backend: str, bits: int, envs: int, rounds: int, publish_every: float
         finally:
             stop.set()
             thread.join()
-            server.stop()
+            service.stop()
     return _rounds(rows)
 
 

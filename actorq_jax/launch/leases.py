@@ -131,6 +131,11 @@ class IdLease:
         import reverb
 
         client = reverb.Client(self.address)
+        if LEASE_REQUESTS not in client.server_info(timeout=max(1, int(timeout_s))):
+            # A bare Reverb server (a test's or a benchmark's), not a replay service: there is no one to ask.
+            log.warning("the server at %s keeps no actor-id leases; actor id %d goes unguarded",
+                        self.address, self.actor_id)
+            return
         self._send(client)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

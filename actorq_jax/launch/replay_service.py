@@ -96,7 +96,8 @@ class ServiceClient:
 class ReplayService:
     """The Reverb server of a run and the loop that answers its control requests."""
 
-    def __init__(self, builder: Any, run: Any, results_dir: Path, config_json: str, resume: bool):
+    def __init__(self, builder: Any, run: Any, results_dir: Path, config_json: str, resume: bool,
+                 replay: Any = None):
         from actorq_jax.launch.actor_rows import ACTOR_ROWS_TABLE, ROWS_WRITTEN_TABLE, RowDrain
         from actorq_jax.replay import ReplayServer
 
@@ -105,7 +106,7 @@ class ReplayService:
         self.replay_table = builder.replay_config().name
         restore = restore_point(self.results_dir) if resume else None
         host = run.advertise_host or socket.getfqdn()  # what other machines use to reach this server
-        self.server = ReplayServer(runtime.service_tables(builder) + control_tables() + lease_tables(),
+        self.server = ReplayServer(runtime.service_tables(builder, replay) + control_tables() + lease_tables(),
                                    port=run.port or None,
                                    advertised_host=host, checkpoint_dir=self.results_dir / "replay_checkpoints",
                                    restore=restore)
@@ -164,6 +165,26 @@ class ReplayService:
         self.checkpoints += 1
         return {**reply, "name": name, "items": self.items()}
 
+    def serve_once(self) -> None:
+        """Answers the waiting control requests and lease requests."""
+        self.answer_requests()
+        self.leases.handle()
+
+    def serve_in_thread(self, stop: threading.Event) -> threading.Thread:
+        """Serves (requests, leases, actor rows) from a started background thread until `stop`."""
+        def loop() -> None:
+            last_drain = 0.0
+            while not stop.is_set():
+                self.serve_once()
+                if time.monotonic() - last_drain >= REPORT_EVERY_S:
+                    self.rows.drain()
+                    last_drain = time.monotonic()
+                stop.wait(POLL_S)
+
+        thread = threading.Thread(target=loop, name="ReplayService", daemon=True)
+        thread.start()
+        return thread
+
     def report(self, phase: str) -> None:
         """Writes status/replay.json for the launcher (address, counters, the restore)."""
         from actorq_jax.telemetry import write_json
@@ -203,8 +224,7 @@ def run_replay_service(run: Any, agent_config: Any, config_json: str, stop: thre
     try:
         while not stop.is_set():
             try:
-                service.answer_requests()
-                service.leases.handle()
+                service.serve_once()
                 if time.monotonic() - last_report >= REPORT_EVERY_S:
                     service.rows.drain()
                     service.report("running")
