@@ -180,12 +180,19 @@ class Launcher:
         """Starts the service, the learner, then actors and evaluator; watches them; the run's exit code."""
         run = self.run
         self._start(replay)
+        # Where the service's address is known before it starts (this machine, the run's port), the learner
+        # starts beside it and spends the service's start-up on its own imports; it waits for the server.
+        early = self.placement.known_service_address(run.port)
+        if early is not None:
+            learner.args = ["--server", early]
+            self._start(learner)
         if self._wait_for(replay, "address") is None:
             return 1
         server = self.placement.service_address(runtime.read_status(self.results_dir, "replay"))
         self._say(f"replay service up; remote actors join with: python -m actorq_jax.launch.actor --server {server}")
-        learner.args = ["--server", server]
-        self._start(learner)
+        if early is None:
+            learner.args = ["--server", server]
+            self._start(learner)
         if self._wait_for(learner, "phase") is None:
             return 1
         for i in range(run.num_actors):

@@ -48,6 +48,7 @@ SAMPLE_TIMEOUT_MS = 1000
 # How long the final hand-over waits for the background publisher to send the last version.
 FINAL_PUBLISH_TIMEOUT_S = 120.0
 REPORT_EVERY_S = 1.0
+SERVICE_START_TIMEOUT_S = 300.0
 # What a call to a replay service that went away raises (the dataset's TensorFlow errors included).
 SERVICE_ERRORS = (reverb.DeadlineExceededError, RuntimeError, ConnectionError, ServiceError)
 
@@ -75,7 +76,8 @@ class Learner:
             restored = self.checkpointer.restore(self.state)
             if restored is not None:
                 self.state, counters = restored
-        self.client = wait_for_server(address, run.server_timeout_s)
+        # The launcher may start the learner beside a service that is still starting: wait as for a start.
+        self.client = wait_for_server(address, max(run.server_timeout_s, SERVICE_START_TIMEOUT_S))
         self.service = ServiceClient(self.client, run.server_timeout_s)
         # Prioritized replay inserts new items at the largest priority written back so far.
         self.max_priority = float(counters.get("max_priority", 1.0))

@@ -86,6 +86,10 @@ class Placement:
         """The Reverb address the run's learner, actors and evaluator use, from the replay service's status report."""
         raise NotImplementedError
 
+    def known_service_address(self, port: int) -> Optional[str]:
+        """The replay service's address before it starts, where the placement knows it (None: ask its report)."""
+        return None
+
     def energy_meter(self, country: str) -> EnergyMeter:
         """What measures the run's energy (writes emissions.csv into the results directory)."""
         from actorq_jax.telemetry import EnergyTracker
@@ -111,6 +115,10 @@ class LocalPlacement(Placement):
         with open(log_path, "ab") as log_file:
             return subprocess.Popen(worker_command(role, os.getpid(), self.results_dir, args),
                                     stdout=log_file, stderr=subprocess.STDOUT, env=worker_env())
+
+    def known_service_address(self, port: int) -> Optional[str]:
+        """Local workers reach the replay service on localhost at the run's port."""
+        return f"localhost:{port}"
 
     def service_address(self, status: Dict[str, Any]) -> str:
         """Local workers reach the replay service on localhost."""
