@@ -396,9 +396,10 @@ def test_ptq_sweep_writes_one_row_per_bits(tiny_sweep, tmp_path):
     sweep_dir, _ = tiny_sweep
     out = tmp_path / "ptq.csv"
     result = _run(["experiments/ptq_sweep.py", "--checkpoint", str(sweep_dir / "d4pg_cartpole_balance_q32_s0"),
-                   "--bits", "32,8,4", "--episodes", "1", "--out", str(out)], timeout=300)
+                   "--bits", "32,8,4", "--episodes", "1", "--min_size", "1", "--out", str(out)], timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     ptq = pd.read_csv(out)
+    # (--min_size 1: the tiny run's kernels are all smaller than the default 1024 elements, which stay float.)
     assert ptq["bits"].tolist() == [4, 8, 32] and ptq["granularity"].unique().tolist() == ["per_channel"]
     assert np.isfinite(ptq[["mean_return", "std_return", "min_return", "max_return"]].to_numpy()).all()
     assert (ptq["episodes"] == 1).all() and (ptq["min_return"] <= ptq["max_return"]).all()
