@@ -58,14 +58,7 @@ def test_service_answers_checkpoint_requests_and_refuses_bad_ones(tmp_path):
     builder = runtime.make_builder("d4pg", agent, environment_spec(make_environment("cartpole_balance", seed=0)))
     service = ReplayService(builder, run, tmp_path, "{}", resume=False)
     done = threading.Event()
-
-    def serve():
-        while not done.is_set():
-            service.answer_requests()
-            time.sleep(0.02)
-
-    served = threading.Thread(target=serve)
-    served.start()
+    served = service.serve_in_thread(done)  # the service process's loop, in a thread of this one
     try:
         client = ServiceClient(service.client, timeout_s=10)
         for name in ("step_1", "step_2", "step_3"):
