@@ -89,7 +89,6 @@ def _finish(proc) -> str:
 
 
 @pytest.mark.process
-@pytest.mark.process
 @pytest.mark.timeout(360)
 def test_pinned_service_outlives_a_learner_kill_and_actors_keep_inserting(tmp_path):
     results = tmp_path / "run"
@@ -140,7 +139,6 @@ def test_pinned_service_outlives_a_learner_kill_and_actors_keep_inserting(tmp_pa
     assert summary["learner_restarts"] == 1 and summary["replay_restarts"] == 0, output
 
 
-@pytest.mark.process
 @pytest.mark.process
 @pytest.mark.timeout(240)
 def test_killed_service_comes_back_on_its_port_with_its_items_and_nobody_else_restarts(tmp_path):
