@@ -17,11 +17,6 @@ def documented(default: Any, help: str, flag: bool = True) -> Any:
     return dataclasses.field(default=default, metadata={"help": help, "flag": flag})
 
 
-def field_help(cls: type, name: str) -> str:
-    """The help text of a config field ('' when it has none)."""
-    return next((f.metadata.get("help", "") for f in dataclasses.fields(cls) if f.name == name), "")
-
-
 # -- validation -------------------------------------------------------------------------
 
 

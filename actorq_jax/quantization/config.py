@@ -68,11 +68,6 @@ class QuantConfig:
                 f"QuantConfig.min_size must be a non-negative int, got min_size={self.min_size!r}")
 
     @property
-    def is_integer(self) -> bool:
-        """True for bits in 2..8 (integer values plus scales)."""
-        return self.bits in INT_BITS
-
-    @property
     def is_half(self) -> bool:
         return self.bits == HALF_BITS
 

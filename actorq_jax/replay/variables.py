@@ -52,11 +52,6 @@ class RefreshTiming(NamedTuple):
     deserialize_cpu_s: float = 0.0
     load_cpu_s: float = 0.0
 
-    @property
-    def total_s(self) -> float:
-        """pull + deserialize + load."""
-        return self.pull_s + self.deserialize_s + self.load_s
-
 
 def insert_wire(client: reverb.Client, table: str, arrays: List[np.ndarray]) -> None:
     """Inserts one list of wire arrays as the table's item, each array stored as is."""
