@@ -43,7 +43,12 @@ if TYPE_CHECKING:  # numpy and Reverb load after the thread budget is set (runti
 log = logging.getLogger(__name__)
 
 FIRST_VARIABLES_TIMEOUT_S = 120.0
-WRITE_TIMEOUT_S = 5.0
+WRITE_TIMEOUT_S = 2.0
+# While the limiter holds an actor's items it waits in slices this long, so a stop is noticed within one.
+WAIT_SLICE_S = 0.5
+# A stopping actor's last flush: at the end of a run the limiter holds inserts for good (the learner is done),
+# so waiting the full WRITE_TIMEOUT_S only delays the shutdown.
+STOP_FLUSH_S = 0.5
 PROBE_EVERY_S = 0.5
 EXIT_SERVER_GONE = 3
 EXIT_ID_TAKEN = 2
@@ -191,10 +196,10 @@ class Actor:
         silent_since = time.monotonic() - ((adder.timeout_s or 0.0) if wait_for_writes else 0.0)
         while wait_for_writes and not self.stop.is_set() and self.link.reachable():
             try:
-                adder.wait()  # the rate limiter holds our items: the learner is busy, not gone
+                adder.wait(WAIT_SLICE_S)  # the rate limiter holds our items: the learner is busy, not gone
                 return True
             except WriteTimeout:
-                silent_since = time.monotonic() - (adder.timeout_s or 0.0)
+                silent_since = time.monotonic() - WAIT_SLICE_S
         if not self.link.wait(since=silent_since):
             return False  # stopped while waiting
         if self.link.outages > outages:
@@ -209,9 +214,10 @@ class Actor:
     def _close_adders(self, flush: bool = True) -> None:
         from actorq_jax.replay import WriteTimeout
 
+        timeout_s = STOP_FLUSH_S if self.stop.is_set() else None
         for adder in self.adders:
             try:
-                adder.close(flush=flush)
+                adder.close(flush=flush, timeout_s=timeout_s)
             except (WriteTimeout, RuntimeError) as error:
                 log.info("dropped unconfirmed items of %s: %s", self.address, error)
                 flush = False  # the server did not take one adder's items: do not wait K times for it

@@ -111,10 +111,15 @@ class Launcher:
         except FileNotFoundError:
             return "(no log)"
 
-    def _terminate(self, workers: List[Worker], timeout_s: float) -> None:
+    @staticmethod
+    def _signal(workers: List[Worker]) -> None:
+        """SIGTERMs the workers that run (an orderly stop)."""
         for w in workers:
             if w.process is not None and w.process.poll() is None:
                 w.process.send_signal(signal.SIGTERM)
+
+    def _terminate(self, workers: List[Worker], timeout_s: float) -> None:
+        self._signal(workers)
         deadline = time.monotonic() + timeout_s
         for w in workers:
             if w.process is None:
@@ -316,6 +321,10 @@ class Launcher:
         return f"{float(rows[-1]['return']):.1f}" if rows else "-"
 
     def _shutdown(self, replay: Worker, learner: Worker) -> None:
+        evaluators = [w for w in self.workers if w.role == "evaluator"]
+        # The evaluator's final evaluation waits for the learner's last publication, so it may begin now,
+        # beside the actors' stop, rather than after it.
+        self._signal(evaluators)
         self._terminate([w for w in self.workers if w.role == "actor"], ACTOR_STOP_TIMEOUT_S)
         # The learner's final checkpoint and publication go through the service, which is still up. A learner
         # that reported "done" is exiting on its own: a signal now could land in its interpreter's teardown.
@@ -325,7 +334,7 @@ class Launcher:
             except subprocess.TimeoutExpired:
                 pass
         self._terminate([learner], LEARNER_FINAL_TIMEOUT_S)
-        self._terminate([w for w in self.workers if w.role == "evaluator"], EVALUATOR_FINAL_TIMEOUT_S)
+        self._terminate(evaluators, EVALUATOR_FINAL_TIMEOUT_S)
         self._terminate([replay], ACTOR_STOP_TIMEOUT_S)
 
     # -- results --------------------------------------------------------------------

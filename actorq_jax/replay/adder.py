@@ -21,6 +21,12 @@ class WriteTimeout(TimeoutError):
     """
 
 
+
+def _timeout_ms(timeout_s: Optional[float], default_ms: Optional[int]) -> Optional[int]:
+    """A call's deadline in ms: `timeout_s` when given, else the adder's."""
+    return default_ms if timeout_s is None else max(1, int(timeout_s * 1000))
+
+
 class NStepAdder:
     """Writes one n-step Transition item per environment step through a TrajectoryWriter.
 
@@ -65,7 +71,7 @@ class NStepAdder:
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0 or None, got timeout_s={timeout_s!r}")
         self.timeout_s = timeout_s
-        self._timeout_ms = None if timeout_s is None else max(1, int(timeout_s * 1000))
+        self._timeout_ms = _timeout_ms(timeout_s, None)
         self._client = client
         self._table = table
         self._n = n_step
@@ -102,9 +108,10 @@ class NStepAdder:
             raise ValueError(f"priority must be >= 0, got priority={value!r}")
         self._priority = float(value)
 
-    def wait(self) -> None:
-        """Blocks until at most `max_in_flight_items` items await the server (WriteTimeout past timeout_s)."""
-        self._flush(self._max_in_flight)
+    def wait(self, timeout_s: Optional[float] = None) -> None:
+        """Blocks until at most `max_in_flight_items` items await the server (WriteTimeout past `timeout_s`,
+        default the adder's timeout_s)."""
+        self._flush(self._max_in_flight, _timeout_ms(timeout_s, self._timeout_ms))
 
     def add_first(self, timestep: Any) -> None:
         """Starts an episode at a FIRST timestep (o_0 is written with a_0)."""
@@ -155,21 +162,23 @@ class NStepAdder:
             self._flushed_at = self.items_written
             self._flush(self._max_in_flight)
 
-    def reset(self) -> None:
-        """Abandons the current episode (see class doc) and flushes created items."""
+    def reset(self, timeout_s: Optional[float] = None) -> None:
+        """Abandons the current episode (see class doc) and flushes created items (within `timeout_s`, default
+        the adder's timeout_s)."""
         try:
             if self._in_episode and self._t >= self._n:
                 self._write_step(None, self._priority)  # the item the last observation completes
-            self._end_episode()
+            self._end_episode(_timeout_ms(timeout_s, self._timeout_ms))
         finally:
             self._start_episode_state()
 
-    def close(self, flush: bool = True) -> None:
-        """Flushes created items (within timeout_s; not with flush=False) and closes the writer."""
+    def close(self, flush: bool = True, timeout_s: Optional[float] = None) -> None:
+        """Flushes created items (within `timeout_s`, default the adder's; not with flush=False) and closes the
+        writer."""
         if self._writer is not None:
             try:
                 if flush:
-                    self.reset()
+                    self.reset(timeout_s)
             finally:
                 self._writer.close()
                 self._writer = None
@@ -204,23 +213,25 @@ class NStepAdder:
         if first >= 0:
             self._create_item(first, t, priority)
 
-    def _end_episode(self) -> None:
+    def _end_episode(self, timeout_ms: Optional[int] = None) -> None:
+        timeout_ms = self._timeout_ms if timeout_ms is None else timeout_ms
         self._flushed_at = self.items_written
-        self._wait_for_server(lambda: self._writer.end_episode(clear_buffers=True, timeout_ms=self._timeout_ms),
-                              "the episode's items")
+        self._wait_for_server(lambda: self._writer.end_episode(clear_buffers=True, timeout_ms=timeout_ms),
+                              "the episode's items", timeout_ms)
 
-    def _flush(self, pending: int) -> None:
-        self._wait_for_server(lambda: self._writer.flush(block_until_num_items=pending, timeout_ms=self._timeout_ms),
-                              "items")
+    def _flush(self, pending: int, timeout_ms: Optional[int] = None) -> None:
+        timeout_ms = self._timeout_ms if timeout_ms is None else timeout_ms
+        self._wait_for_server(lambda: self._writer.flush(block_until_num_items=pending, timeout_ms=timeout_ms),
+                              "items", timeout_ms)
 
-    def _wait_for_server(self, call: Callable[[], None], what: str) -> None:
+    def _wait_for_server(self, call: Callable[[], None], what: str, timeout_ms: Optional[int]) -> None:
         """Runs a writer call that blocks until the server takes our items; its time counts as wait_s."""
         start = time.perf_counter()
         try:
             call()
         except reverb.DeadlineExceededError as error:
             raise WriteTimeout(f"{self._client.server_address} did not confirm {what} "
-                               f"within {self._timeout_ms} ms") from error
+                               f"within {timeout_ms} ms") from error
         finally:
             self.wait_s += time.perf_counter() - start
 
