@@ -5,17 +5,22 @@
 
 Every 20-40 s (seeded) it SIGKILLs a random actor; once it SIGKILLs the learner (the launcher restarts
 it in place), once the replay service (restarted on its port from its last checkpoint while the learner
-and actors reconnect), once it stops the whole run and resumes it with --resume, once it inserts a malformed
-payload into the variables table. Then it runs an undisturbed run of the same number of learner steps
-and checks: every actor CSV row well-formed; learner steps and env steps monotonic across the whole
-run (learner.csv and the summary of each launch); no process left; the chaos run's final evaluation
-return within the range of the undisturbed run's evaluations. Prints one line per check; exit code 0
-when every check passes, 1 otherwise.
+and actors reconnect), once it SIGSTOPs the replay service for a few seconds (shorter than
+--server_timeout_s: nobody may exit or restart), once it starts two hand-started remote actors with one
+id (the second must exit 2 naming the id), once it stops the whole run and resumes it with --resume,
+once it inserts a malformed payload into the variables table. Then it runs an undisturbed run of the
+same number of learner steps and checks: every actor CSV row well-formed; learner steps and env steps
+monotonic across the whole run (learner.csv and the summary of each launch); no process left; the
+paused service held everyone; the duplicate id refused; no non-finite parameter published (no actor
+rejected more payloads than the malformed ones injected, no launch ended diverged); the chaos run's
+final evaluation return within the range of the undisturbed run's evaluations. Prints one line per
+check; exit code 0 when every check passes, 1 otherwise.
 """
 
 import argparse
 import dataclasses
 import json
+import math
 import os
 import random
 import signal
@@ -37,7 +42,9 @@ RUN_FLAGS = [
     "--server_timeout_s", "60", "--max_actor_restarts", "100000",
 ]
 QUICK_FLAGS = ["--max_replay_size", "5000", "--checkpoint_period", "500"]
-SPECIAL = ("kill_learner", "kill_replay", "stop_and_resume", "malformed_payload")
+SPECIAL = ("kill_learner", "kill_replay", "pause_replay", "duplicate_actor", "stop_and_resume", "malformed_payload")
+# SIGSTOP of the replay service: well inside RUN_FLAGS' --server_timeout_s, so it must go unnoticed.
+PAUSE_S = 5.0
 
 
 @dataclasses.dataclass
@@ -146,6 +153,69 @@ def _service_paused(results: Path, proc: subprocess.Popen, old_pid: int, timeout
                        f"(launcher code {proc.poll()})")
 
 
+def _worker_pids(proc: subprocess.Popen) -> Dict[int, str]:
+    """{pid: role} of the launcher's worker processes now."""
+    out = {}
+    for child in _children(proc):
+        try:
+            cmd = child.cmdline()
+        except Exception:  # gone while we looked (psutil.NoSuchProcess, AccessDenied)
+            continue
+        if "actorq_jax.launch.worker" in cmd:
+            out[child.pid] = cmd[cmd.index("actorq_jax.launch.worker") + 1]
+    return out
+
+
+def _pause_replay(results: Path, proc: subprocess.Popen) -> Dict[str, Any]:
+    """SIGSTOPs the replay service for PAUSE_S, SIGCONTs it, waits as long again: who exited meanwhile."""
+    service = _status(results, "replay")["pid"]
+    before = _worker_pids(proc)
+    steps = _status(results).get("learner_steps", 0)
+    os.kill(service, signal.SIGSTOP)
+    try:
+        time.sleep(PAUSE_S)
+    finally:
+        os.kill(service, signal.SIGCONT)
+    deadline = time.monotonic() + 60.0
+    while time.monotonic() < deadline and _status(results).get("learner_steps", 0) <= steps:
+        time.sleep(0.5)
+    time.sleep(PAUSE_S)
+    after = _worker_pids(proc)
+    gone = sorted(f"{role} {pid}" for pid, role in before.items() if pid not in after)
+    return {"service_pid": service, "gone": gone, "trained_after": _status(results).get("learner_steps", 0) > steps}
+
+
+def _duplicate_actor(results: Path, soak: Soak) -> Dict[str, Any]:
+    """Starts a remote actor, then a second with its id: the second must exit 2 naming the id; the first runs on."""
+    address = _status(results, "replay")["local_address"]
+    actor_id = soak.num_actors + 10  # outside the launcher's ids 0..num_actors-1
+    logs = results.parent / "remote_actors"
+    logs.mkdir(exist_ok=True)
+    command = [sys.executable, "-m", "actorq_jax.launch.actor", "--server", address, "--actor_id", str(actor_id),
+               "--log_dir", str(logs)]
+    with open(logs / "first.log", "ab") as first_log:
+        first = subprocess.Popen(command, cwd=REPO, env=ENV, stdout=first_log, stderr=subprocess.STDOUT)
+    try:
+        csv = logs / f"actor_{actor_id}.csv"
+        deadline = time.monotonic() + 300.0
+        # A finished episode means its lease is held.
+        while first.poll() is None and time.monotonic() < deadline and len(csv.read_text().splitlines()
+                                                                           if csv.exists() else []) < 2:
+            time.sleep(0.5)
+        second = subprocess.run(command, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+        first_running = first.poll() is None
+    finally:
+        first.send_signal(signal.SIGTERM)
+        try:
+            first.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            first.kill()
+            first.wait()
+    return {"actor_id": actor_id, "second_code": second.returncode, "first_running": first_running,
+            "first_code": first.returncode, "said": f"--actor_id {actor_id} is held by another actor" in second.stderr,
+            "second_tail": second.stderr.strip().splitlines()[-1:] }
+
+
 def run_soak(soak: Soak, say) -> Dict[str, Any]:
     """Runs the disturbed run; returns what the checks need (pids seen, summaries of each launch)."""
     rng = random.Random(soak.seed + 1)
@@ -154,6 +224,7 @@ def run_soak(soak: Soak, say) -> Dict[str, Any]:
     log = open(soak.results.parent / f"{soak.results.name}.launcher.log", "ab")
     seen: Set[int] = set()
     summaries: List[Dict[str, Any]] = []
+    events: Dict[str, Any] = {"malformed": 0}
     proc = _launch(soak.results, flags, log)
     try:
         _wait_up(soak.results, proc)  # the clock starts once the run trains
@@ -180,8 +251,17 @@ def run_soak(soak: Soak, say) -> Dict[str, Any]:
                 os.kill(service["pid"], signal.SIGKILL)
                 say(f"{at:6.0f}s  SIGKILL replay service at {service.get('env_steps')} env steps")
                 start += _service_paused(soak.results, proc, service["pid"])
+            elif event == "pause_replay":
+                events["pause"] = _pause_replay(soak.results, proc)
+                say(f"{at:6.0f}s  SIGSTOP replay service {PAUSE_S:.0f} s, then SIGCONT; exited meanwhile: "
+                    f"{events['pause']['gone'] or 'nobody'}")
+            elif event == "duplicate_actor":
+                events["duplicate"] = duplicate = _duplicate_actor(soak.results, soak)
+                say(f"{at:6.0f}s  second remote actor with --actor_id {duplicate['actor_id']} exited "
+                    f"{duplicate['second_code']}: {' '.join(duplicate['second_tail'])}")
             elif event == "malformed_payload":
                 _malformed_payload(_status(soak.results, "replay")["local_address"])
+                events["malformed"] += 1
                 say(f"{at:6.0f}s  malformed payload into the variables table")
             else:
                 proc.send_signal(signal.SIGTERM)
@@ -202,7 +282,7 @@ def run_soak(soak: Soak, say) -> Dict[str, Any]:
             proc.kill()
             proc.wait()
         log.close()
-    return {"pids": seen, "summaries": summaries}
+    return {"pids": seen, "summaries": summaries, "events": events}
 
 
 def run_reference(results: Path, learner_steps: int, soak: Soak) -> Dict[str, Any]:
@@ -250,6 +330,26 @@ def check(soak: Soak, disturbed: Dict[str, Any], reference_dir: Path) -> List[tu
     left = [pid for pid in disturbed["pids"] if psutil.pid_exists(pid)
             and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
     results.append(("no process left", not left, f"{len(disturbed['pids'])} worker processes seen, alive: {left}"))
+    events = disturbed["events"]
+    pause = events.get("pause", {})
+    results.append(("paused replay service held everyone", bool(pause) and not pause["gone"] and pause["trained_after"],
+                    f"SIGSTOP {PAUSE_S:.0f} s: exited meanwhile {pause.get('gone')}, learner trained after: "
+                    f"{pause.get('trained_after')}"))
+    duplicate = events.get("duplicate", {})
+    results.append(("duplicate actor id refused", bool(duplicate) and duplicate["second_code"] == 2
+                    and duplicate["said"] and duplicate["first_running"] and duplicate["first_code"] == 0,
+                    f"second exited {duplicate.get('second_code')} naming the id: {duplicate.get('said')}; first "
+                    f"ran on: {duplicate.get('first_running')}, exited {duplicate.get('first_code')}"))
+    losses_finite = all(math.isfinite(v) for r in learner for k, v in r.items()
+                        if k.endswith("_loss") and isinstance(v, float))
+    learner_log = soak.results / "logs" / "learner.log"
+    diverged = learner_log.exists() and "learner diverged" in learner_log.read_text(errors="replace")
+    failed = [s["exit_code"] for s in summaries if s.get("exit_code") != 0]
+    results.append(("no non-finite parameter published",
+                    rejected <= events.get("malformed", 0) and losses_finite and not diverged and not failed,
+                    f"most payloads one actor rejected {rejected} (malformed injected: {events.get('malformed', 0)}); "
+                    f"learner.csv losses finite: {losses_finite}; learner diverged: {diverged}; launches that "
+                    f"failed: {failed}"))
     returns = [r["return"] for r in read_csv(reference_dir / "eval.csv") if r["policy"] == "fp32"]
     final = summaries[-1]["final_eval_return"]
     low, high = (min(returns), max(returns)) if returns else (float("nan"), float("nan"))
@@ -267,7 +367,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Runs the soak and its checks; 0 when every check passes."""
     parser = argparse.ArgumentParser(description="Fault-injection soak of one D4PG run (see the module doc).")
     parser.add_argument("--minutes", type=float, default=15.0, help="length of the disturbed run")
-    parser.add_argument("--quick", action="store_true", help="a short soak: 32 s of events 4-6 s apart")
+    parser.add_argument("--quick", action="store_true", help="a short soak: 44 s of events 4-6 s apart")
     parser.add_argument("--num_actors", type=int, default=3, help="actors of the run")
     parser.add_argument("--seed", type=int, default=0, help="seed of the schedule, the victims and the runs")
     parser.add_argument("--results_dir", default=None, help="where both runs go (default results/chaos_<time>)")
@@ -279,8 +379,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     root = Path(args.results_dir or f"results/chaos_{time.strftime('%Y%m%d-%H%M%S')}").absolute()
     if (root / "chaos" / "config.json").exists():
         parser.error(f"--results_dir: {root} already holds a soak")
-    # --quick: room for the four special events and at least one actor kill (restarts stop the clock).
-    seconds, gap = (32.0, (4.0, 6.0)) if args.quick else (args.minutes * 60.0, (20.0, 40.0))
+    # --quick: room for the special events and at least one actor kill (restarts stop the clock).
+    seconds, gap = (44.0, (4.0, 6.0)) if args.quick else (args.minutes * 60.0, (20.0, 40.0))
     soak = Soak(root / "chaos", seconds, gap, args.num_actors, args.seed,
                 tuple(RUN_FLAGS + (QUICK_FLAGS if args.quick else [])))
 

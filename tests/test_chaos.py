@@ -6,7 +6,7 @@ import sys
 import pytest
 from launch_support import ENV, ROOT
 
-pytestmark = pytest.mark.process
+pytestmark = [pytest.mark.process, pytest.mark.slow]
 
 
 @pytest.mark.timeout(900)
@@ -15,9 +15,10 @@ def test_quick_chaos_soak_loses_nothing(tmp_path):
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=840)
     out = proc.stdout
     for event in ("SIGKILL actor", "SIGKILL learner", "SIGKILL replay service", "stopped the run", "resuming",
-                  "malformed payload"):
+                  "malformed payload", "SIGSTOP replay service", "second remote actor"):
         assert event in out, out[-3000:] + proc.stderr[-3000:]
     for check in ("actor CSV rows well-formed", "learner and env steps monotonic", "no process left",
-                  "final return within the undisturbed run's range"):
+                  "final return within the undisturbed run's range", "paused replay service held everyone",
+                  "duplicate actor id refused", "no non-finite parameter published"):
         assert f"PASS  {check}" in out, out[-3000:] + proc.stderr[-3000:]
     assert proc.returncode == 0
