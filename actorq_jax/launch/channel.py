@@ -14,8 +14,11 @@ process of a run picks its channel once (`make_channel`):
 """
 
 import json
+import logging
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Protocol
+
+log = logging.getLogger(__name__)
 
 ROLES = ("launcher", "replay", "learner")
 # How long one read or report waits for the server (a reader polls; a report is retried at the next one).
@@ -85,7 +88,7 @@ class ServiceChannel:
         return self._client
 
     def report(self, role: str, status: Dict[str, Any]) -> None:
-        """Replaces `role`'s report; raises the client's error when the server does not take it."""
+        """Replaces `role`'s report (one the server does not take in time is dropped: the next replaces it)."""
         import reverb
 
         from actorq_jax.replay.messages import send_message
@@ -93,9 +96,9 @@ class ServiceChannel:
 
         try:
             send_message(self._connected(), status_table(role), to_jsonable(status), CALL_TIMEOUT_S)
-        except (reverb.DeadlineExceededError, RuntimeError):
+        except (reverb.DeadlineExceededError, RuntimeError) as error:
             self._client = None  # a channel that saw its server go backs off: a fresh one next time
-            raise
+            log.warning("the %s report did not reach %s: %s", role, self.address, error)
 
     def read(self, role: str) -> Dict[str, Any]:
         """`role`'s last report ({} before the first, or while the server does not answer)."""

@@ -372,13 +372,6 @@ class StatusReport:
         self.last = 0.0
 
     def __call__(self, phase: str, **extra: Any) -> None:
-        try:
-            self._send(phase, extra)
-        except SERVICE_ERRORS as error:  # a service channel whose server restarts: the next report goes through
-            log.warning("status report not delivered: %s", error)
-        self.last = time.monotonic()
-
-    def _send(self, phase: str, extra: Dict[str, Any]) -> None:
         learner = self.learner
         self.channel.report("learner", {
             **extra,
@@ -393,6 +386,7 @@ class StatusReport:
             # Finished checkpoints on this node (under Ray the launcher's process copies each new one).
             "checkpoints": finished_steps(learner.checkpointer.directory),
         })
+        self.last = time.monotonic()
 
     def maybe(self, phase: str) -> bool:
         """Reports when the last report is older than REPORT_EVERY_S; whether it did."""

@@ -340,13 +340,17 @@ class RayPlacement(Placement):
 
     def _collect_loop(self) -> None:
         while not self._stop.wait(COLLECT_PERIOD_S):
-            try:
-                self.collect()
-            except Exception as error:  # noqa: BLE001 (collecting must outlive one bad pass; the next retries)
-                log.warning("collecting from the workers failed: %s: %s", type(error).__name__, error)
+            self.collect()
 
     def collect(self) -> None:
-        """Notes where new hosts landed, writes the rows waiting on the service, exports new checkpoints."""
+        """Notes where new hosts landed, writes the rows waiting on the service, exports new checkpoints (a pass
+        that fails is logged; the next one retries)."""
+        try:
+            self._collect()
+        except Exception as error:  # noqa: BLE001 (a host or the service lost mid-pass: the run goes on)
+            log.warning("collecting from the workers failed: %s: %s", type(error).__name__, error)
+
+    def _collect(self) -> None:
         with self.lock:
             hosts = [h for h in self.hosts.values() if not h.dead]
         for host in hosts:
