@@ -2,15 +2,12 @@
 
 A `RunChannel` carries one small JSON report per role: `report(role, status)`
 replaces it, `read(role)` returns the last one ({} before the first). Every
-process of a run picks its channel once (`make_channel`):
-
-- `FileChannel`: status/<role>.json in the results directory, replaced
-  atomically. Local runs use it: every process shares the machine's disk.
-- `ServiceChannel`: one size-1 table per role on the run's Reverb server (the
-  replay service creates them with its other tables), so a report reaches a
-  reader on any node. `--launcher ray` uses it; the driver's channel also
-  records what it reads into status/<role>.json, so the results directory has
-  the same files as a local run's.
+process of a run picks its channel once (`make_channel`): `FileChannel`
+(status/<role>.json, replaced atomically) for local runs, whose processes share
+a disk; `ServiceChannel` (one size-1 table per role on the run's Reverb server,
+created by the replay service with its other tables) under `--launcher ray`,
+where the driver's channel also records what it reads into status/<role>.json,
+so the results directory has the same files as a local run's.
 """
 
 import json
