@@ -25,7 +25,7 @@ import pytest
 from launch_support import ENV, ROOT, TINY, TINY_DQN, alive, rows, start_remote_actor, status, stop_all, usage_error
 
 from actorq_jax.launch.flags import parse_run
-from actorq_jax.launch.ray_placement import parse_resources, placement_problems, ray_flag_problems
+from actorq_jax.launch.ray_flags import parse_resources, placement_problems, ray_flag_problems
 
 # Loopback only, and token authentication on with a token of this test run (no file in $HOME needed).
 RAY_SETTINGS = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token",
@@ -40,7 +40,7 @@ RESULT_FILES = ("config.json", "summary.json", "learner.csv", "eval.csv", "emiss
 
 
 def _run(**fields):
-    values = {"launcher": "ray", "ray_address": "", "learner_resources": "", "actor_resources": "",
+    values = {"launcher": "ray", "ray_address": "", "learner_resources": "", "replay_resources": "", "actor_resources": "",
               "advertise_host": "", "num_actors": 2}
     values.update(fields)
     return SimpleNamespace(**values)

@@ -5,10 +5,10 @@ machine that shares no disk with the launcher. Besides its own CSV (its copy, ke
 whatever happens to the service), it inserts each finished episode's row into the
 ACTOR_ROWS_TABLE of the run's Reverb server (`RowForwarder`). The replay service drains
 that table about twice a second into actors/actor_<id>.csv of its results directory
-(`RowDrain`); under `--launcher ray` the driver mirrors that file like every other
-file the service writes. So a remote actor's rows reach the results directory by the
-same road as everything else from the service's node. Actors the launcher starts
-write their CSV directly and do not use this table.
+(`RowDrain`). Under `--launcher ray` every actor sends its rows this way, the launcher's
+own included, and the launcher's process (which owns the results directory) runs the
+`RowDrain` instead of the service. Locally, actors the launcher starts write their CSV
+directly and do not use this table.
 
 Rows travel as JSON text (no pickle on the wire) and are checked on arrival: a row
 that is not a well-formed actor row, or that claims a launcher actor's id, is counted

@@ -140,7 +140,7 @@ def run_config_problems(run: Any) -> List[Tuple[str, str]]:
     if run.launcher not in LAUNCHERS:
         problems.append(("launcher", f"{run.launcher!r} not in {LAUNCHERS}"))
     for name in ("learner_resources", "replay_resources", "actor_resources"):
-        from actorq_jax.launch.ray_placement import parse_resources  # imports no Ray at module level
+        from actorq_jax.launch.ray_flags import parse_resources  # imports no Ray at module level
 
         try:
             parse_resources(getattr(run, name))

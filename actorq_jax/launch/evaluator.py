@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Tuple
 
 from actorq_jax.launch import runtime
+from actorq_jax.launch.channel import make_channel
 
 
 def run_episode(env: Any, policy: Callable[[Any, Any], Any], params: Any) -> float:
@@ -53,8 +54,10 @@ class Evaluator:
         # restarts is away for a moment: keep the last policy and go on rather than fail (errors are logged).
         self.variables = VariableClient(address, runtime.EVAL_VARIABLES_TABLE, update_period=1,
                                         like=quantize(builder.params_template(), QuantConfig(bits=32)), raise_errors=False)
+        # Status reports (files locally, the replay service's tables under Ray).
+        self.channel = make_channel(run, self.results_dir, address)
         # Wall time counts from the launcher's start, so eval.csv lines up with every other stream.
-        self.start = float(runtime.read_status(self.results_dir, "launcher").get("start_time", time.time()))
+        self.start = float(self.channel.read("launcher").get("start_time", time.time()))
         self.last_version: Optional[int] = None
 
     def fetch(self) -> Optional[Tuple[Any, int]]:
@@ -64,7 +67,7 @@ class Evaluator:
 
     def evaluate(self, logger: Any, qparams: Any, version: int, final: bool) -> None:
         """Runs eval_episodes greedy episodes per policy and writes one row each."""
-        env_steps = runtime.read_status(self.results_dir, "learner").get("env_steps", 0)
+        env_steps = self.channel.read("learner").get("env_steps", 0)
         for name, bits, load in self.policies:
             params = load(qparams)
             for episode in range(self.run.eval_episodes):
@@ -79,7 +82,7 @@ class Evaluator:
     def wait_for_final_publication(self, launcher_alive: Callable[[], bool], timeout_s: float = 60.0) -> None:
         """Waits until the learner has made its last publication (not for a learner that no launcher releases)."""
         deadline = time.monotonic() + timeout_s
-        while runtime.read_status(self.results_dir, "learner").get("phase") not in ("final", "done"):
+        while self.channel.read("learner").get("phase") not in ("final", "done"):
             if time.monotonic() > deadline or not launcher_alive():
                 return
             time.sleep(0.2)
@@ -88,10 +91,13 @@ class Evaluator:
 def run_evaluator(run: Any, agent_config: Any, address: str, stop: threading.Event,
                   launcher_alive: Callable[[], bool] = lambda: True) -> None:
     """Evaluates every new float policy the learner publishes, and once more at shutdown."""
-    from actorq_jax.telemetry import EVAL_FIELDS, CsvLogger
+    from actorq_jax.launch.run_rows import row_log
+    from actorq_jax.telemetry import EVAL_FIELDS
 
     evaluator = Evaluator(run, agent_config, address)
-    with CsvLogger(evaluator.results_dir / "eval.csv", EVAL_FIELDS) as logger:
+    # Under Ray the rows also go to the launcher's process, through the replay service.
+    forward_to = address if run.launcher == "ray" else None
+    with row_log(evaluator.results_dir / "eval.csv", EVAL_FIELDS, forward_to) as logger:
         while True:
             final = stop.is_set()
             if final:

@@ -52,7 +52,7 @@ def parse_run(agent: str, argv: Optional[Sequence[str]], description: Optional[s
     probe = argparse.Namespace(**values)
     for flag, message in run_config_problems(probe):
         parser.error(f"--{flag}: {message}")
-    from actorq_jax.launch.ray_placement import ray_flag_problems  # never imports Ray under --launcher local
+    from actorq_jax.launch.ray_flags import ray_flag_problems  # never imports Ray under --launcher local
 
     for flag, message in ray_flag_problems(probe):
         parser.error(f"--{flag}: {message}")

@@ -1,21 +1,17 @@
 """Starts and watches one ActorQ run: a replay service (owning Reverb), a learner, N actors and an evaluator.
 
-Every worker is a fresh `python -m actorq_jax.launch.worker` process (never a
-fork of a process that has initialised JAX), with its own thread budget, cores
-(`--layout`, `--*_cpus`) and a log file under `<results_dir>/logs/`. The
-launcher starts the replay service first and hands its address to every other
-worker. It restarts actors that die; a learner that dies restarts from its last
-checkpoint against the same live replay table (up to `max_learner_restarts`);
-a replay service that dies restarts on the same port from the replay checkpoint
-of the learner's last checkpoint (up to `max_replay_restarts`), while the
-learner and actors reconnect on their own. It stops the run past those, on
-Ctrl-C/SIGTERM or at a budget, and shuts down in an order that keeps every
-result: actors first, then the learner (final checkpoint and publication), then
-the evaluator's final evaluation, then the replay service.
+Every worker is a fresh `python -m actorq_jax.launch.worker` process (never a fork of a process that
+has initialised JAX), with its own thread budget, cores (`--layout`, `--*_cpus`) and a log file under
+`<results_dir>/logs/`. The launcher starts the replay service first and hands its address to every
+other worker. It restarts actors that die; a learner that dies restarts from its last checkpoint
+against the same live replay table (up to `max_learner_restarts`); a replay service that dies restarts
+on the same port from the replay checkpoint of the learner's last checkpoint (up to
+`max_replay_restarts`), while the learner and actors reconnect on their own. It stops the run past
+those, on Ctrl-C/SIGTERM or at a budget, and shuts down in an order that keeps every result: actors
+first, then the learner (final checkpoint, publication), the evaluator's last evaluation, the service.
 
-The service's port is part of the run's configuration: picked here when
-`run.port` is 0 and written to config.json, so `--resume` listens where the
-remote actors already look (and fails clearly when something else holds it).
+The service's port is in config.json (picked here when `run.port` is 0): `--resume` listens where the
+remote actors already look, and fails clearly when something else holds it.
 """
 
 import dataclasses
@@ -32,9 +28,10 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, TextIO
 
 from actorq_jax.launch import runtime
+from actorq_jax.launch.channel import FileChannel, RunChannel, make_channel
 from actorq_jax.launch.checkpoint import read_counters
 from actorq_jax.launch.config import RunConfig, save_config
-from actorq_jax.launch.placement import Placement, WorkerProcess, make_placement
+from actorq_jax.launch.placement import LAUNCHERS, LocalPlacement, Placement, WorkerProcess, ended, how_it_ended
 
 START_TIMEOUT_S = 300.0
 ACTOR_STOP_TIMEOUT_S = 20.0
@@ -48,7 +45,7 @@ NO_ACTORS_STALL_S = 30.0
 def free_port() -> int:
     """A port nothing listens on now (the kernel's pick)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
+        sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 
 
@@ -57,7 +54,7 @@ def port_in_use(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind(("", port))
+            sock.bind(("127.0.0.1", port))
         except OSError as error:
             if error.errno == errno.EADDRINUSE:
                 return True
@@ -91,6 +88,9 @@ class Launcher:
         self.events: List[str] = []
         # Where workers run (local subprocesses or Ray actors); everything else here is the same for both.
         self.placement: Placement = make_placement(run, self.results_dir)
+        # Status: files until the service is placed, then the run's channel (under Ray: recorded into status/).
+        self.record = FileChannel(self.results_dir)
+        self.channel: RunChannel = self.record
 
     # -- processes ------------------------------------------------------------------
 
@@ -111,15 +111,13 @@ class Launcher:
         except FileNotFoundError:
             return "(no log)"
 
-    @staticmethod
-    def _signal(workers: List[Worker]) -> None:
-        """SIGTERMs the workers that run (an orderly stop)."""
-        for w in workers:
-            if w.process is not None and w.process.poll() is None:
-                w.process.send_signal(signal.SIGTERM)
-
     def _terminate(self, workers: List[Worker], timeout_s: float) -> None:
-        self._signal(workers)
+        """SIGTERMs the workers (an orderly stop) and waits up to `timeout_s` (0: does not wait) before killing."""
+        for w in workers:
+            if w.process is not None and not ended(w.process):
+                w.process.send_signal(signal.SIGTERM)
+        if timeout_s <= 0:
+            return
         deadline = time.monotonic() + timeout_s
         for w in workers:
             if w.process is None:
@@ -142,12 +140,12 @@ class Launcher:
         (self.results_dir / "status").mkdir(exist_ok=True)
         (self.results_dir / "actors").mkdir(exist_ok=True)
         for stale in ("replay", "learner", "launcher"):
-            runtime.status_file(self.results_dir, stale).unlink(missing_ok=True)
+            self.record.path(stale).unlink(missing_ok=True)
         if run.port == 0:
             run = self.run = dataclasses.replace(run, port=free_port())
         save_config(self.results_dir / "config.json", run, self.agent_config)
-        start_wall = time.time()
-        write_json(runtime.status_file(self.results_dir, "launcher"), {"start_time": start_wall, "pid": os.getpid()})
+        self.started = {"start_time": time.time(), "pid": os.getpid()}
+        self.record.report("launcher", self.started)
         # Before our signal handlers: Ray installs its own when it starts.
         self.placement.open()
         previous = {sig: signal.signal(sig, lambda *_: self.stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -169,8 +167,8 @@ class Launcher:
             exit_code = 1
         finally:
             self._shutdown(replay, learner)
-            if exit_code == 0 and learner.process is not None and learner.process.returncode not in (0, None):
-                self._say(f"learner exited with code {learner.process.returncode} at shutdown:\n{self._log_tail(learner)}")
+            if exit_code == 0 and learner.process and ended(learner.process) and learner.process.returncode != 0:
+                self._say(f"learner ended at shutdown ({how_it_ended(learner.process)}):\n{self._log_tail(learner)}")
                 exit_code = 1
             energy_report = energy.stop()
             self.placement.close()  # the results directory is complete after it
@@ -185,19 +183,19 @@ class Launcher:
         """Starts the service, the learner, then actors and evaluator; watches them; the run's exit code."""
         run = self.run
         self._start(replay)
-        # Where the service's address is known before it starts (this machine, the run's port), the learner
-        # starts beside it and spends the service's start-up on its own imports; it waits for the server.
-        early = self.placement.known_service_address(run.port)
-        if early is not None:
-            learner.args = ["--server", early]
-            self._start(learner)
+        try:
+            server = self.placement.service_address(run.port)
+        except RuntimeError as error:
+            self._say(f"the replay service was not placed: {error}")
+            return 1
+        self.channel = make_channel(run, self.results_dir, server, record=True)
+        # The learner spends the service's start-up on its own imports; it waits for the server.
+        learner.args = ["--server", server]
+        self._start(learner)
         if self._wait_for(replay, "address") is None:
             return 1
-        server = self.placement.service_address(runtime.read_status(self.results_dir, "replay"))
+        self.channel.report("launcher", self.started)  # the evaluator's clock starts at the launcher's start
         self._say(f"replay service up; remote actors join with: python -m actorq_jax.launch.actor --server {server}")
-        if early is None:
-            learner.args = ["--server", server]
-            self._start(learner)
         if self._wait_for(learner, "phase") is None:
             return 1
         for i in range(run.num_actors):
@@ -213,11 +211,11 @@ class Launcher:
         """Waits until `worker` (this incarnation) reports `key`; its value, or None if it died or timed out."""
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline and not self.stop.is_set():
-            status = runtime.read_status(self.results_dir, worker.role)
+            status = self.channel.read(worker.role)
             if status.get(key) and status.get("pid") == worker.process.pid:
                 return status[key]
-            if worker.process.poll() is not None:
-                self._say(f"{worker.name} exited with code {worker.process.returncode} before starting:\n"
+            if ended(worker.process):
+                self._say(f"{worker.name} ended before starting ({how_it_ended(worker.process)}):\n"
                           f"{self._log_tail(worker)}")
                 return None
             time.sleep(0.2)
@@ -232,21 +230,21 @@ class Launcher:
         seen_steps, seen_at = -1, time.monotonic()
         actors = [w for w in self.workers if w.role == "actor"]
         while not self.stop.wait(0.25):
-            if replay.process.poll() is not None and not self._restart(replay, run.max_replay_restarts, "address"):
+            if ended(replay.process) and not self._restart(replay, run.max_replay_restarts, "address"):
                 return 1
             if learner.process.poll() == runtime.EXIT_DIVERGED:
                 # Restarting would diverge again from the same checkpoint: the user changes a setting and resumes.
-                report = runtime.read_status(self.results_dir, "learner")
+                report = self.channel.read("learner")
                 self._say(report.get("message") or f"learner diverged (exit code {runtime.EXIT_DIVERGED})")
                 return 1
-            if learner.process.poll() is not None and not self._restart(learner, run.max_learner_restarts, "phase"):
+            if ended(learner.process) and not self._restart(learner, run.max_learner_restarts, "phase"):
                 return 1
-            status = runtime.read_status(self.results_dir, "learner")
+            status = self.channel.read("learner")
             if status.get("phase") == "done":
                 self._say("learner reached its step budget")
                 return 0
             self._restart_actors()
-            env_steps = int(runtime.read_status(self.results_dir, "replay").get("env_steps", 0))
+            env_steps = int(self.channel.read("replay").get("env_steps", 0))
             learner_steps = int(status.get("learner_steps", 0))
             elapsed = time.monotonic() - start
             now = time.monotonic()
@@ -278,36 +276,36 @@ class Launcher:
         """Restarts dead actors and the evaluator within their budget; gives up on those past it."""
         run = self.run
         for w in self.workers:
-            if w.role not in ("actor", "evaluator") or w.gave_up or w.process.poll() is None:
+            if w.role not in ("actor", "evaluator") or w.gave_up or not ended(w.process):
                 continue
-            code = w.process.returncode
+            how = how_it_ended(w.process)
             if w.restarts < run.max_actor_restarts:
                 w.restarts += 1
-                self._say(f"{w.name} died (exit code {code}); restart {w.restarts}/{run.max_actor_restarts}")
+                self._say(f"{w.name} died ({how}); restart {w.restarts}/{run.max_actor_restarts}")
                 self._start(w)
             else:
                 w.gave_up = True
-                self._say(f"{w.name} died (exit code {code}) after {w.restarts} restarts; "
+                self._say(f"{w.name} died ({how}) after {w.restarts} restarts; "
                           f"the run goes on without it:\n{self._log_tail(w)}")
 
     def _restart(self, worker: Worker, budget: int, ready_key: str) -> bool:
         """Restarts a dead learner or replay service from its last checkpoint; False when the budget is spent or
         it fails."""
-        code = worker.process.returncode
+        how = how_it_ended(worker.process)
         if worker.restarts >= budget:
-            self._say(f"{worker.name} died (exit code {code}) after {worker.restarts} restarts; "
+            self._say(f"{worker.name} died ({how}) after {worker.restarts} restarts; "
                       f"stopping the run:\n{self._log_tail(worker)}")
             return False
         worker.restarts += 1
         counters = read_counters(self.results_dir / "checkpoints") or {}
         what = (f"replay checkpoint {counters.get('replay_checkpoint')}" if worker.role == "replay"
                 else f"the checkpoint at learner step {counters.get('learner_steps', 0)}")
-        self._say(f"{worker.name} died (exit code {code}); restart {worker.restarts}/{budget} from {what}"
+        self._say(f"{worker.name} died ({how}); restart {worker.restarts}/{budget} from {what}"
                   + (f" on port {self.run.port}" if worker.role == "replay" else ""))
         self._start(worker)
         if self._wait_for(worker, ready_key) is None:
             return self.stop.is_set()  # a stop request during the restart is an ordinary stop
-        restored = runtime.read_status(self.results_dir, worker.role).get("restored", {})
+        restored = self.channel.read(worker.role).get("restored", {})
         if worker.role == "replay":
             self._say(f"replay service back on port {self.run.port} with {restored.get('items', 0)} replay items")
         else:
@@ -322,19 +320,20 @@ class Launcher:
 
     def _shutdown(self, replay: Worker, learner: Worker) -> None:
         evaluators = [w for w in self.workers if w.role == "evaluator"]
-        # The evaluator's final evaluation waits for the learner's last publication, so it may begin now,
-        # beside the actors' stop, rather than after it.
-        self._signal(evaluators)
+        self._terminate(evaluators, 0)  # its final evaluation waits for the learner's last publication anyway
         self._terminate([w for w in self.workers if w.role == "actor"], ACTOR_STOP_TIMEOUT_S)
         # The learner's final checkpoint and publication go through the service, which is still up. A learner
         # that reported "done" is exiting on its own: a signal now could land in its interpreter's teardown.
-        if runtime.read_status(self.results_dir, "learner").get("phase") == "done" and learner.process is not None:
+        if self.channel.read("learner").get("phase") == "done" and learner.process is not None:
             try:
                 learner.process.wait(timeout=LEARNER_FINAL_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 pass
         self._terminate([learner], LEARNER_FINAL_TIMEOUT_S)
+        self.channel.read("learner")  # its final report (recorded into status/ under Ray)
         self._terminate(evaluators, EVALUATOR_FINAL_TIMEOUT_S)
+        # What the workers sent through the service (rows, the final checkpoint) comes in while it is up.
+        self.placement.collect()
         self._terminate([replay], ACTOR_STOP_TIMEOUT_S)
 
     # -- results --------------------------------------------------------------------
@@ -347,7 +346,7 @@ class Launcher:
         a restart), so the figures are the last checkpoint's, which is on disk; the
         report's own figures are kept apart, labelled.
         """
-        status = runtime.read_status(self.results_dir, "learner")
+        status = self.record.read("learner")
         reported = {k: status.get(k, 0) for k in ("learner_steps", "env_steps", "wall_seconds")}
         if exit_code == 0 and status.get("phase") == "done":
             return {"learner_steps": int(reported["learner_steps"]), "env_steps": int(reported["env_steps"]),
@@ -423,6 +422,16 @@ def _read_rows(path: Path) -> List[Dict[str, Any]]:
     except FileNotFoundError:
         return []
 
+
+def make_placement(run: Any, results_dir: Path) -> Placement:
+    """The placement `run.launcher` names (local unless --launcher ray)."""
+    if run.launcher == "ray":
+        from actorq_jax.launch.ray_placement import RayPlacement
+
+        return RayPlacement(run, results_dir)
+    if run.launcher != "local":
+        raise ValueError(f"--launcher: {run.launcher!r} not in {LAUNCHERS}")
+    return LocalPlacement(run, results_dir)
 
 
 def launch(run: RunConfig, agent_config: Any, stream: TextIO = sys.stderr) -> Dict[str, Any]:

@@ -13,7 +13,6 @@ being restarted on the same port) is waited for, up to `server_timeout_s`, and
 the learner then carries on where it was; past that it exits non-zero.
 """
 
-import csv
 import logging
 import os
 import threading
@@ -27,9 +26,11 @@ import reverb
 
 from actorq_jax.environments import environment_spec, make_environment
 from actorq_jax.launch import runtime
-from actorq_jax.launch.checkpoint import Checkpointer
+from actorq_jax.launch.channel import RunChannel, make_channel
+from actorq_jax.launch.checkpoint import Checkpointer, finished_steps
 from actorq_jax.launch.config import RunConfig
 from actorq_jax.launch.replay_service import ServiceClient, ServiceError
+from actorq_jax.launch.run_rows import drop_rows_after, row_log
 from actorq_jax.quantization import QuantConfig
 from actorq_jax.replay import (
     ReplayDataset,
@@ -38,7 +39,6 @@ from actorq_jax.replay import (
 )
 from actorq_jax.replay.background import BackgroundPublisher, PublishTotals
 from actorq_jax.replay.server import wait_for_server
-from actorq_jax.telemetry import CsvLogger, write_json
 
 log = logging.getLogger(__name__)
 
@@ -241,10 +241,11 @@ class Learner:
 class LearnerLog:
     """learner.csv: one row every LOG_EVERY_STEPS steps (losses, rates, the background publisher's cost), flushed at once."""
 
-    def __init__(self, path: Path, start: float, first_step: int):
+    def __init__(self, path: Path, start: float, first_step: int, forward_to: Optional[str] = None):
         self.path = path
+        self.forward_to = forward_to  # under Ray: the service that carries the rows to the launcher's process
         self.start = start
-        self._logger: Optional[CsvLogger] = None
+        self._logger: Any = None
         self._last = (time.monotonic(), first_step, time.thread_time())
         self._last_totals = PublishTotals(0, 0, 0, 0.0, -1, 0)
 
@@ -256,7 +257,7 @@ class LearnerLog:
             fields = ["learner_steps", "wall_seconds", "env_steps", "sgd_steps_per_s", "cpu_s_per_step", "publish_s",
                       "publish_bytes", "versions_published", "versions_dropped"]
             # One row per LOG_EVERY_STEPS steps is rare enough to flush each: a SIGKILL loses none.
-            self._logger = CsvLogger(self.path, fields + sorted(row), flush_every_s=0)
+            self._logger = row_log(self.path, fields + sorted(row), self.forward_to, flush_every_s=0)
         last_time, last_steps, last_cpu = self._last
         cpu = time.thread_time()
         row.update(
@@ -287,24 +288,6 @@ def _per_item(total: float, count: int) -> float:
     return total / count if count > 0 else 0.0
 
 
-def drop_rows_after(path: Path, step: int) -> None:
-    """Removes learner.csv rows past `step`: after a restore they belong to a timeline that was lost."""
-    if not path.exists():
-        return
-    with open(path, newline="") as f:
-        rows = list(csv.reader(f))
-    if not rows or "learner_steps" not in rows[0]:
-        return
-    column = rows[0].index("learner_steps")
-    kept = [rows[0]] + [r for r in rows[1:] if len(r) > column and r[column].isdigit() and int(r[column]) <= step]
-    if len(kept) == len(rows):
-        return
-    tmp = path.with_suffix(".csv.tmp")
-    with open(tmp, "w", newline="") as f:
-        csv.writer(f).writerows(kept)
-    os.replace(tmp, path)
-
-
 def run_learner(run: RunConfig, agent_config: Any, address: str, stop: threading.Event) -> int:
     """Learner main loop against the replay service at `address` until `stop` or a learner-step budget; the exit
     code (runtime.EXIT_DIVERGED when a loss or parameter stopped being finite)."""
@@ -313,9 +296,10 @@ def run_learner(run: RunConfig, agent_config: Any, address: str, stop: threading
     learner = Learner(runtime.make_builder(run.agent, agent_config, spec), run, results_dir, address)
     drop_rows_after(results_dir / "learner.csv", learner.steps)
     start = time.monotonic()
-    csv_log = LearnerLog(results_dir / "learner.csv", start, learner.steps)
+    csv_log = LearnerLog(results_dir / "learner.csv", start, learner.steps,
+                         forward_to=address if run.launcher == "ray" else None)
     learner.publish(evaluation=True)
-    report = StatusReport(learner, start, runtime.status_file(results_dir, "learner"))
+    report = StatusReport(learner, start, make_channel(run, results_dir, address))
     report("running")
     try:
         try:
@@ -379,17 +363,17 @@ def _after_step(learner: Learner, csv_log: LearnerLog, metrics: Dict[str, Any]) 
 
 
 class StatusReport:
-    """Writes status/learner.json for the launcher (phase, counters, the restore)."""
+    """Reports the learner's phase, counters, restore and finished checkpoints to the launcher (its channel)."""
 
-    def __init__(self, learner: Learner, start: float, path: Path):
+    def __init__(self, learner: Learner, start: float, channel: RunChannel):
         self.learner = learner
         self.start = start
-        self.path = path
+        self.channel = channel
         self.last = 0.0
 
     def __call__(self, phase: str, **extra: Any) -> None:
         learner = self.learner
-        write_json(self.path, {
+        self.channel.report("learner", {
             **extra,
             "phase": phase,
             "pid": os.getpid(),
@@ -399,6 +383,8 @@ class StatusReport:
             "env_steps": learner.env_steps(),
             "wall_seconds": time.monotonic() - self.start,
             "restored": learner.restored,
+            # Finished checkpoints on this node (under Ray the launcher's process copies each new one).
+            "checkpoints": finished_steps(learner.checkpointer.directory),
         })
         self.last = time.monotonic()
 

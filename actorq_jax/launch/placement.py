@@ -6,11 +6,14 @@ them, restarts them and stops them in order; a placement decides *where* and
 files go, and how energy is measured. `LocalPlacement` starts subprocesses on
 this machine writing straight into the results directory; `RayPlacement`
 (launch/ray_placement.py) starts the same worker command inside Ray actors on
-a cluster's nodes and mirrors their files into the results directory.
+a cluster's nodes and brings what they send (rows, checkpoints, logs) into the
+results directory. The launcher picks one (`launcher.make_placement`).
 
 A started worker is a `WorkerProcess`: the subset of `subprocess.Popen` the
 launcher uses (pid, returncode, poll, wait, send_signal, kill), so the watch,
-restart and shutdown logic reads the same under every backend.
+restart and shutdown logic reads the same under every backend. A Ray worker
+whose host was lost (its node left) has no exit code: its `lost` says why, and
+`ended`/`how_it_ended` read both kinds of ending.
 """
 
 import os
@@ -82,13 +85,9 @@ class Placement:
         """Starts worker `name` (role replay/learner/actor/evaluator) with worker flags `args`; logs to logs/<name>.log."""
         raise NotImplementedError
 
-    def service_address(self, status: Dict[str, Any]) -> str:
-        """The Reverb address the run's learner, actors and evaluator use, from the replay service's status report."""
+    def service_address(self, port: int) -> str:
+        """HOST:PORT at which the run's processes reach the replay service (started already) on `port`."""
         raise NotImplementedError
-
-    def known_service_address(self, port: int) -> Optional[str]:
-        """The replay service's address before it starts, where the placement knows it (None: ask its report)."""
-        return None
 
     def energy_meter(self, country: str) -> EnergyMeter:
         """What measures the run's energy (writes emissions.csv into the results directory)."""
@@ -97,8 +96,9 @@ class Placement:
         # Machine mode: per-process tracking would miss the other processes of the run.
         return EnergyTracker(self.results_dir, country_iso_code=country, tracking_mode="machine")
 
-    def sync(self) -> None:
-        """Brings the results directory up to date with the workers' files (nothing to do locally)."""
+    def collect(self) -> None:
+        """Writes what workers sent through the replay service (rows, checkpoints) into the results directory now,
+        while the service is still up (nothing to do locally: workers write there themselves)."""
 
     def close(self) -> None:
         """Releases the backend once every worker has exited; the results directory is complete after it."""
@@ -116,22 +116,17 @@ class LocalPlacement(Placement):
             return subprocess.Popen(worker_command(role, os.getpid(), self.results_dir, args),
                                     stdout=log_file, stderr=subprocess.STDOUT, env=worker_env())
 
-    def known_service_address(self, port: int) -> Optional[str]:
+    def service_address(self, port: int) -> str:
         """Local workers reach the replay service on localhost at the run's port."""
         return f"localhost:{port}"
 
-    def service_address(self, status: Dict[str, Any]) -> str:
-        """Local workers reach the replay service on localhost."""
-        return str(status["local_address"])
+
+def ended(process: WorkerProcess) -> bool:
+    """Whether a worker is over: it exited, or (under Ray) its host was lost with its node."""
+    return process.poll() is not None or bool(getattr(process, "lost", None))
 
 
-def make_placement(run: Any, results_dir: Path) -> Placement:
-    """The placement `run.launcher` names (local unless --launcher ray)."""
-    launcher = getattr(run, "launcher", "local")
-    if launcher == "ray":
-        from actorq_jax.launch.ray_placement import RayPlacement
-
-        return RayPlacement(run, results_dir)
-    if launcher != "local":
-        raise ValueError(f"--launcher: {launcher!r} not in {LAUNCHERS}")
-    return LocalPlacement(run, results_dir)
+def how_it_ended(process: WorkerProcess) -> str:
+    """How a worker that is over ended: 'exit code N', or why its host was lost."""
+    lost = getattr(process, "lost", None)
+    return str(lost) if lost else f"exit code {process.returncode}"

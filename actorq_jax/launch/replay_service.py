@@ -3,7 +3,9 @@
 As in the paper's topology, one process owns the run's Reverb server (the replay
 table, the variables tables the learner publishes into, the config table remote
 actors read, the remote actors' episode rows, which it writes into actors/) and the learner is one client of it
-among the actors and the evaluator. The learner can then be killed, restarted or
+among the actors and the evaluator. Under `--launcher ray` the server also carries the
+run's status reports (launch/channel.py) and the rows the launcher's process writes.
+The learner can then be killed, restarted or
 placed on an accelerator node without taking replay with it, and the server gets
 cores the learner's SGD does not need (`--layout pinned`).
 
@@ -28,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from actorq_jax.launch import runtime
+from actorq_jax.launch.channel import RunChannel, make_channel
 from actorq_jax.launch.checkpoint import read_counters
 from actorq_jax.launch.leases import LEASE_REQUESTS, LEASES_TABLE, LeaseBook, lease_tables
 
@@ -50,9 +53,10 @@ class ServiceError(RuntimeError):
 
 def control_tables() -> List[Any]:
     """The service's control tables: requests to it, and its replies."""
+    from actorq_jax.launch.channel import make_status_tables
     from actorq_jax.replay.messages import make_message_table
 
-    return [make_message_table(REQUESTS_TABLE), make_message_table(REPLIES_TABLE)]
+    return [make_message_table(REQUESTS_TABLE), make_message_table(REPLIES_TABLE), *make_status_tables()]
 
 
 def restore_point(results_dir: Path) -> Optional[str]:
@@ -118,13 +122,17 @@ class ReplayService:
         for table in (ACTOR_ROWS_TABLE, ROWS_WRITTEN_TABLE, REQUESTS_TABLE, REPLIES_TABLE, LEASE_REQUESTS, LEASES_TABLE):
             self.client.reset(table)
         runtime.publish_config(self.client, config_json)
-        # Remote actors' episode rows, into actors/ as the launcher's actors write theirs.
-        self.rows = RowDrain(self.client, self.results_dir / "actors", run.num_actors)
+        # Status reports: files locally, this server's status tables under Ray.
+        self.channel = make_channel(run, self.results_dir, f"localhost:{self.server.port}")
+        # Remote actors' episode rows, into actors/ as the launcher's actors write theirs. Under Ray the
+        # launcher's process drains them (every actor sends its rows then), into the real results directory.
+        self.rows = None if run.launcher == "ray" else RowDrain(self.client, self.results_dir / "actors",
+                                                                 run.num_actors)
         self.leases = LeaseBook(self.client)
         self.restored = {"checkpoint": restore, "items": self.items()}
         # Restored from a checkpoint, the insert count goes back to the checkpoint's; the run's env-step count
         # goes on from this service's last report instead (the steps since were taken, though their items are lost).
-        last = runtime.read_status(self.results_dir, "replay").get("env_steps", 0) if resume else 0
+        last = self.channel.read("replay").get("env_steps", 0) if resume else 0
         self._env_steps_offset = max(0, int(last) - self._inserts())
         self.checkpoints = 0
 
@@ -156,7 +164,7 @@ class ReplayService:
         if request.get("op") != "checkpoint":
             return {**reply, "error": f"unknown request {request.get('op')!r}"}
         # Rows in a checkpoint are reset on restore: write the waiting ones first.
-        self.rows.drain()
+        self.drain_rows()
         try:
             name = self.server.checkpoint(str(request.get("name")))
         except (ValueError, OSError) as error:
@@ -164,6 +172,11 @@ class ReplayService:
         prune_checkpoints(self.server.checkpoint_dir, [name, *request.get("keep", [])])
         self.checkpoints += 1
         return {**reply, "name": name, "items": self.items()}
+
+    def drain_rows(self) -> None:
+        """Writes the remote actors' waiting rows into actors/ (under Ray the launcher's process does)."""
+        if self.rows is not None:
+            self.rows.drain()
 
     def serve_once(self) -> None:
         """Answers the waiting control requests and lease requests."""
@@ -177,7 +190,7 @@ class ReplayService:
             while not stop.is_set():
                 self.serve_once()
                 if time.monotonic() - last_drain >= REPORT_EVERY_S:
-                    self.rows.drain()
+                    self.drain_rows()
                     last_drain = time.monotonic()
                 stop.wait(POLL_S)
 
@@ -186,10 +199,8 @@ class ReplayService:
         return thread
 
     def report(self, phase: str) -> None:
-        """Writes status/replay.json for the launcher (address, counters, the restore)."""
-        from actorq_jax.telemetry import write_json
-
-        write_json(runtime.status_file(self.results_dir, "replay"), {
+        """Reports to the launcher through the run's channel (address, counters, the restore)."""
+        self.channel.report("replay", {
             "phase": phase,
             "pid": os.getpid(),
             "address": self.server.address,
@@ -203,9 +214,10 @@ class ReplayService:
     def stop(self) -> None:
         """Writes the last waiting actor rows and stops the server."""
         try:
-            self.rows.drain()
+            self.drain_rows()
         finally:
-            self.rows.close()
+            if self.rows is not None:
+                self.rows.close()
             self.server.stop()
 
 
@@ -226,7 +238,7 @@ def run_replay_service(run: Any, agent_config: Any, config_json: str, stop: thre
             try:
                 service.serve_once()
                 if time.monotonic() - last_report >= REPORT_EVERY_S:
-                    service.rows.drain()
+                    service.drain_rows()
                     service.report("running")
                     last_report = time.monotonic()
             except reverb.DeadlineExceededError:
@@ -239,11 +251,11 @@ def run_replay_service(run: Any, agent_config: Any, config_json: str, stop: thre
         service.stop()
 
 
-def _learner_running(results_dir: Path) -> bool:
+def _learner_running(channel: RunChannel) -> bool:
     """Whether this run's learner is still at work (its last report is not final, and its process lives)."""
     import psutil
 
-    report = runtime.read_status(results_dir, "learner")
+    report = channel.read("learner")
     if not report or report.get("phase") == "done":
         return False
     # Only meaningful on the learner's own machine; elsewhere the grace period bounds the wait.
@@ -253,6 +265,6 @@ def _learner_running(results_dir: Path) -> bool:
 def _serve_until_learner_done(service: ReplayService, grace_s: float) -> None:
     """Answers requests until the learner has written its final checkpoint, or `grace_s` passes."""
     deadline = time.monotonic() + grace_s
-    while _learner_running(service.results_dir) and time.monotonic() < deadline:
+    while _learner_running(service.channel) and time.monotonic() < deadline:
         service.answer_requests()
         time.sleep(POLL_S)

@@ -4,7 +4,6 @@ import ctypes
 import os
 import signal
 import time
-from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 # Tables on the replay service's Reverb server besides the replay table.
@@ -174,22 +173,6 @@ def die_with_parent() -> None:
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def status_file(results_dir: Path, role: str) -> Path:
-    """Where a worker reports its progress for the launcher."""
-    return Path(results_dir) / "status" / f"{role}.json"
-
-
-def read_status(results_dir: Path, role: str) -> Dict[str, Any]:
-    """A worker's last reported status ({} before its first report)."""
-    import json
-
-    path = status_file(results_dir, role)
-    try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return {}
-
-
 def make_builder(agent: str, config: Any, spec: Any) -> Any:
     """The registered agent's builder (an actorq_jax.agents.builder.AgentBuilder) for a task's spec."""
     from actorq_jax.agents.registry import get_agent
@@ -199,10 +182,11 @@ def make_builder(agent: str, config: Any, spec: Any) -> Any:
 
 def service_tables(builder: Any, replay: Any = None) -> list:
     """The data tables of a run's Reverb server: replay (the builder's, unless given), variables, eval variables,
-    config, and the remote actors' episode rows."""
+    config, the remote actors' episode rows, and (under Ray) the learner's and evaluator's rows."""
     import numpy as np
 
     from actorq_jax.launch.actor_rows import make_actor_rows_tables
+    from actorq_jax.launch.run_rows import make_run_rows_table
     from actorq_jax.replay import make_replay_table, make_variables_table
 
     observation = np.zeros((builder.spec.observation_dim,), np.float32)
@@ -212,6 +196,7 @@ def service_tables(builder: Any, replay: Any = None) -> list:
         make_variables_table(EVAL_VARIABLES_TABLE),
         make_variables_table(CONFIG_TABLE),
         *make_actor_rows_tables(),
+        make_run_rows_table(),
     ]
 
 

@@ -74,11 +74,14 @@ def main(argv: Optional[list] = None) -> int:
         # The learner never blocks for long (every service call is bounded): run it on the main thread.
         return run_learner(run, agent_config, args.server, stop)
     if args.role == "actor":
-        from actorq_jax.launch.actor import run_actor
+        from actorq_jax.launch.actor import WRITE_TIMEOUT_S, run_actor
+        from actorq_jax.launch.actor_rows import RowForwarder
 
+        # Under Ray the rows reach the launcher's results directory through the replay service, each once.
+        forwarder = RowForwarder(args.server, WRITE_TIMEOUT_S) if run.launcher == "ray" else None
         target = lambda: run_actor(  # noqa: E731
             run, agent_config, args.actor_id, args.server, stop, results_dir / "actors", restart=args.restart,
-            takeover_id=True)
+            forwarder=forwarder, takeover_id=True)
     else:
         from actorq_jax.launch.evaluator import run_evaluator
 

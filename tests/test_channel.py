@@ -1,0 +1,81 @@
+"""The run's control plane: status reports through files (local runs) and through the run's Reverb server (Ray)."""
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from actorq_jax.launch.channel import (
+    ROLES,
+    FileChannel,
+    RecordedChannel,
+    ServiceChannel,
+    make_channel,
+    make_status_tables,
+    status_table,
+)
+from actorq_jax.launch.launcher import free_port
+
+
+def test_file_channel_reads_what_was_reported(tmp_path):
+    channel = FileChannel(tmp_path)
+    assert channel.read("learner") == {}
+    channel.report("learner", {"phase": "running", "learner_steps": np.int64(3)})
+    assert channel.read("learner") == {"phase": "running", "learner_steps": 3}
+    # The very files a local run always wrote.
+    assert json.loads((tmp_path / "status" / "learner.json").read_text())["phase"] == "running"
+    channel.report("learner", {"phase": "done"})
+    assert channel.read("learner") == {"phase": "done"}
+    assert not [p for p in (tmp_path / "status").iterdir() if p.name != "learner.json"]  # no temporary left
+
+
+def test_a_torn_or_missing_report_reads_as_none_yet(tmp_path):
+    (tmp_path / "status").mkdir()
+    (tmp_path / "status" / "replay.json").write_text('{"phase": ')
+    assert FileChannel(tmp_path).read("replay") == {}
+
+
+def test_make_channel_picks_files_locally_and_the_service_under_ray(tmp_path):
+    assert isinstance(make_channel(SimpleNamespace(launcher="local"), tmp_path), FileChannel)
+    assert isinstance(make_channel(SimpleNamespace(launcher="ray"), tmp_path, "127.0.0.1:1"), ServiceChannel)
+    recorded = make_channel(SimpleNamespace(launcher="ray"), tmp_path, "127.0.0.1:1", record=True)
+    assert isinstance(recorded, RecordedChannel)
+    with pytest.raises(ValueError, match="address"):
+        make_channel(SimpleNamespace(launcher="ray"), tmp_path)
+
+
+def test_status_tables_are_named_per_role():
+    assert [status_table(r) for r in ROLES] == ["status_launcher", "status_replay", "status_learner"]
+    with pytest.raises(ValueError, match="actor"):
+        status_table("actor")
+
+
+@pytest.mark.process
+@pytest.mark.timeout(60)
+def test_service_channel_on_a_real_server(tmp_path):
+    from actorq_jax.replay import ReplayServer
+
+    port = free_port()
+    server = ReplayServer(make_status_tables(), port=port)
+    try:
+        writer, reader = ServiceChannel(f"localhost:{port}"), ServiceChannel(f"127.0.0.1:{port}")
+        assert reader.read("replay") == {}
+        writer.report("replay", {"phase": "running", "env_steps": np.int64(10), "loss": float("nan")})
+        assert reader.read("replay") == {"phase": "running", "env_steps": 10, "loss": None}
+        writer.report("replay", {"phase": "done", "env_steps": 12})
+        assert reader.read("replay") == {"phase": "done", "env_steps": 12}  # replaced, never queued
+        assert reader.read("learner") == {}
+        # The driver's channel also leaves the reports it saw as files.
+        recorded = RecordedChannel(reader, FileChannel(tmp_path))
+        assert recorded.read("replay")["env_steps"] == 12
+        assert json.loads((tmp_path / "status" / "replay.json").read_text())["phase"] == "done"
+        recorded.report("launcher", {"start_time": 1.5})
+        assert writer.read("launcher") == {"start_time": 1.5}
+        assert FileChannel(tmp_path).read("launcher") == {"start_time": 1.5}
+    finally:
+        server.stop()
+    # A server that is gone reads as no report yet, and a report to it is dropped, not an error.
+    gone = ServiceChannel(f"127.0.0.1:{port}")
+    assert gone.read("replay") == {}
+    gone.report("replay", {"phase": "running"})
