@@ -22,7 +22,6 @@ is the adder phase (the replay write, rate-limit waits excluded) per env step.
 import argparse
 import dataclasses
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+from actorq_jax.launch.placement import worker_env
 from actorq_jax.telemetry.schema import ACTOR_PHASES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,7 +86,7 @@ def _trial(backend: str, bits: int, envs: int, rounds: int, publish_every: float
     with tempfile.TemporaryDirectory() as tmp:
         service, thread = _serve(backend, bits, envs, publish_every, stop, tmp)
         try:
-            env = {**os.environ, "MUJOCO_GL": "disable", "TF_CPP_MIN_LOG_LEVEL": "2"}
+            env = worker_env()
             proc = subprocess.run(
                 [sys.executable, "-m", "actorq_jax.launch.actor", "--server", f"localhost:{service.server.port}",
                  "--actor_id", str(ACTOR_ID), "--log_dir", tmp, "--threads", "1", "--max_episodes", str(rounds * envs)],

@@ -28,7 +28,8 @@ from typing import Any, Dict, List, Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from actorq_jax.telemetry import read_csv, write_json  # noqa: E402  (after the path insert)
+from actorq_jax.launch.placement import worker_env  # noqa: E402  (after the path insert)
+from actorq_jax.telemetry import read_csv, write_json  # noqa: E402
 from actorq_jax.telemetry.machine import machine_info  # noqa: E402
 
 LAUNCHERS = ("local", "ray")
@@ -49,7 +50,7 @@ def _run(launcher: str, trial: int, env_steps: int, max_seconds: float, out: Pat
     cmd = [sys.executable, str(ROOT / "experiments" / "run_d4pg.py"), *RUN_FLAGS, "--launcher", launcher,
            "--max_env_steps", str(env_steps), "--max_seconds", str(max_seconds), "--seed", str(trial),
            "--results_dir", str(run_dir)]
-    env = {**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "disable"), "TF_CPP_MIN_LOG_LEVEL": "2"}
+    env = worker_env()
     started = time.monotonic()
     with open(out / f"{run_dir.name}.log", "w") as log:
         code = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,

@@ -49,6 +49,7 @@ from actor_inference import report, time_calls
 
 from actorq_jax.agents.learner_xla import NO_THUNK_RUNTIME
 from actorq_jax.agents.registry import get_agent
+from actorq_jax.launch.placement import worker_env
 from actorq_jax.launch.runtime import thread_env
 from actorq_jax.telemetry.machine import machine_info
 
@@ -270,7 +271,7 @@ class _WorkerProcess:
 
     def __init__(self, option: str):
         self.option = option
-        env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="2", MUJOCO_GL="disable")
+        env = worker_env({"JAX_PLATFORMS": "cpu"})
         env.update(thread_env(1))
         env["XLA_FLAGS"] = " ".join(f for f in (os.environ.get("XLA_FLAGS", ""), OPTIONS[option],
                                                 thread_env(1)["XLA_FLAGS"]) if f)

@@ -32,7 +32,10 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Set
 
 REPO = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "disable"), "TF_CPP_MIN_LOG_LEVEL": "2"}
+sys.path.insert(0, str(REPO))
+from actorq_jax.launch.placement import worker_env  # noqa: E402  (after the path insert)
+
+ENV = worker_env()
 # Small networks: the soak is about faults, not about learning fast. Each checkpoint writes the
 # whole replay table, so the table is kept small and checkpoints some seconds apart.
 RUN_FLAGS = [

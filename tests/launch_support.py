@@ -3,7 +3,6 @@ runs (launcher, learner, actors) on localhost."""
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 import time
@@ -13,13 +12,14 @@ from typing import Any, Callable, Dict, List, Optional
 
 import psutil
 
+from actorq_jax.launch.placement import worker_env
 from actorq_jax.telemetry import read_csv
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"  # scripts, not a package: tests import them with this on sys.path
 # Set for the whole test run (conftest.py) and for every process a test starts: no display, quiet TensorFlow.
 SHARED_ENV = {"MUJOCO_GL": "disable", "TF_CPP_MIN_LOG_LEVEL": "2"}
-ENV = {**os.environ, **SHARED_ENV}
+ENV = worker_env(SHARED_ENV)
 # A D4PG run small enough for 2 cores: tiny networks, a short warm-up, frequent publications and checkpoints.
 TINY = [
     "--task", "cartpole_balance", "--policy_layers", "16,16", "--critic_layers", "32,32",
