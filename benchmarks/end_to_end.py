@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from actorq_jax.analysis.run_figures import measure_run  # noqa: E402  (after the path insert)
+from actorq_jax.launch.placement import worker_env  # noqa: E402
 from actorq_jax.telemetry import write_json  # noqa: E402
 from actorq_jax.telemetry.machine import machine_info  # noqa: E402
 
@@ -54,9 +55,9 @@ AGENTS = {
                                                                        "--critic_layers", "256,256"]},
     "dqn": {"task": "CartPole-v1", "target": 500.0, "layers": ["--q_layers", "256,256"]},
 }
-QUICK_LAYERS = {"d4pg": ["--policy_layers", "32,32", "--critic_layers", "32,32", "--batch_size", "32",
-                         "--min_replay_size", "200"],
-                "dqn": ["--q_layers", "32,32", "--batch_size", "32", "--min_replay_size", "200"]}
+QUICK_LAYERS = {"d4pg": ["--policy_layers", "16,16", "--critic_layers", "32,32", "--batch_size", "16",
+                         "--min_replay_size", "100"],
+                "dqn": ["--q_layers", "16,16", "--batch_size", "16", "--min_replay_size", "100"]}
 LAYOUTS = ("pinned", "shared")
 BITS = (32, 8)
 
@@ -79,7 +80,7 @@ def _run(agent: str, layout: str, bits: int, seed: int, args: argparse.Namespace
     if _finished_with(run_dir, agent, cmd[4:]):
         print(f"[end_to_end] {run_dir.name}: kept (finished earlier in {out} with the same flags)", flush=True)
         return run_dir
-    env = {**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "disable"), "TF_CPP_MIN_LOG_LEVEL": "2"}
+    env = worker_env()
     with open(out / f"{run_dir.name}.log", "w") as log:
         code = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                               timeout=args.max_seconds + 600).returncode

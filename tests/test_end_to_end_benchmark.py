@@ -59,6 +59,15 @@ def test_the_final_evaluation_counts_for_reaching_the_target(tmp_path):
     assert figures["reached"] and figures["time_to_target_s"] == 60.0 and figures["env_steps_to_target"] == 3000
 
 
+def test_a_run_stopped_before_any_evaluation_has_nan_figures_not_an_error(tmp_path):
+    run_dir = _fake_run(tmp_path, [100.0])
+    (run_dir / "eval.csv").write_text("")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    write_json(run_dir / "summary.json", {**summary, "final_eval_return": None})
+    figures = measure_run(run_dir, threshold=900.0)
+    assert not figures["reached"] and math.isnan(figures["final_return"]) and math.isnan(figures["time_to_target_s"])
+
+
 def test_bottleneck_names_the_limiter_when_actors_mostly_wait():
     assert bottleneck({"env_step": 1.0, "inference": 1.0, "rate_limit_wait": 8.0}).startswith("learner")
     assert bottleneck({"env_step": 5.0, "inference": 1.0, "adder": 1.0}).startswith("env")

@@ -38,10 +38,15 @@ def measure_run(run_dir: Path, threshold: float) -> Dict[str, Any]:
         "energy_to_target_kwh": energy * min(1.0, reach.wall_seconds / wall) if reach.reached and wall > 0 else math.nan,
         "env_steps_per_s": float(summary["env_steps"]) / wall if wall > 0 else 0.0,
         "learner_steps_per_s": float(summary["learner_steps"]) / wall if wall > 0 else 0.0,
-        "final_return": float(summary["final_eval_return"]),
+        # A run stopped before its evaluator's final evaluation has none: NaN, as for a miss.
+        "final_return": _number(summary.get("final_eval_return")),
         "actor_phase_s": phases,
         "bound_by": bottleneck(phases),
     }
+
+
+def _number(value: Any) -> float:
+    return math.nan if value is None else float(value)
 
 
 def bottleneck(phases: Dict[str, float]) -> str:
