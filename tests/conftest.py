@@ -4,6 +4,10 @@ The repository root, the environment of the test run and the tiny-run flag prese
 launch_support.py. Tests that start a subprocess, a Reverb server, a Ray cluster or a launcher carry the
 `process` marker; `pytest -m "not process"` (the unit tier) refuses to start any of those, so a test
 missing its marker fails there instead of slowing the tier down.
+
+With pytest-xdist workers (`ACTORQ_TEST_WORKERS=N ./scripts/test.sh`), modules that hold a costly
+module-scoped fixture (a sweep, a Ray cluster) keep their tests on one worker with an `xdist_group` mark,
+and modules with `slow` tests are collected first, so that no long test starts last while others idle.
 """
 
 import multiprocessing.process
@@ -19,6 +23,15 @@ from launch_support import SHARED_ENV
 def pytest_configure(config: pytest.Config) -> None:
     """Sets the shared environment for the whole test run, before any test module is imported."""
     os.environ.update(SHARED_ENV)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    """Modules with `slow` tests first, then those with `process` tests, then the rest (each module's order kept)."""
+    rank = {}
+    for item in items:
+        mark = 0 if item.get_closest_marker("slow") else 1 if item.get_closest_marker("process") else 2
+        rank[item.module.__name__] = min(rank.get(item.module.__name__, 2), mark)
+    items.sort(key=lambda item: rank[item.module.__name__])
 
 
 def _unit_tier(config: pytest.Config) -> bool:

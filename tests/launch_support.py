@@ -3,6 +3,7 @@ runs (launcher, learner, actors) on localhost."""
 
 import importlib.util
 import json
+import secrets
 import subprocess
 import sys
 import time
@@ -20,6 +21,10 @@ BENCHMARKS = ROOT / "benchmarks"  # scripts, not a package: tests import them wi
 # Set for the whole test run (conftest.py) and for every process a test starts: no display, quiet TensorFlow.
 SHARED_ENV = {"MUJOCO_GL": "disable", "TF_CPP_MIN_LOG_LEVEL": "2"}
 ENV = worker_env(SHARED_ENV)
+# Ray for tests: loopback only, token authentication on with a token of this test process (no file in $HOME
+# needed). One token per process: Ray's client keeps the first token it reads, so every Ray test of a
+# process must use the same one.
+RAY_SETTINGS = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
 # A D4PG run small enough for 2 cores: tiny networks, a short warm-up, frequent publications and checkpoints.
 TINY = [
     "--task", "cartpole_balance", "--policy_layers", "16,16", "--critic_layers", "32,32",

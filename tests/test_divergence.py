@@ -59,6 +59,7 @@ def _run(*flags: str) -> subprocess.CompletedProcess:
                           text=True, timeout=240)
 
 
+@pytest.mark.slow
 @pytest.mark.process
 @pytest.mark.timeout(600)
 def test_a_diverging_learner_stops_the_run_keeping_the_last_finite_checkpoint_and_resumes(tmp_path):

@@ -122,6 +122,7 @@ def test_killed_actor_is_restarted_and_the_run_goes_on(tmp_path):
     assert {r["env_index"] for r in after} == {0, 1}  # both environments of the new incarnation finish episodes
 
 
+@pytest.mark.slow
 @pytest.mark.process
 @pytest.mark.timeout(300)
 def test_remote_actor_contributes_transitions(tmp_path):
@@ -201,6 +202,7 @@ def test_help_documents_every_flag(capsys):
         assert flag in out, flag
 
 
+@pytest.mark.slow
 @pytest.mark.process
 @pytest.mark.timeout(600)
 def test_resume_continues_learner_steps_and_env_steps(tmp_path):

@@ -9,8 +9,12 @@ import os
 from types import SimpleNamespace
 
 import pytest
+from launch_support import RAY_SETTINGS
 
 from actorq_jax.launch.ray_host import CHUNK_BYTES, WorkerHost
+
+# One Ray instance at a time on this machine: under pytest-xdist these tests share one worker.
+pytestmark = pytest.mark.xdist_group("ray")
 
 RUN = {"results_dir": "", "advertise_host": "127.0.0.1"}
 
@@ -53,7 +57,8 @@ def test_checkpoints_seed_a_new_host_and_come_back_whole(tmp_path, monkeypatch):
 
     from actorq_jax.launch.ray_placement import RayPlacement
 
-    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    for name, value in RAY_SETTINGS.items():
+        monkeypatch.setenv(name, value)
     results = tmp_path / "results"
     results.mkdir()
     (results / "config.json").write_text(json.dumps({"run": RUN, "agent": {}}))

@@ -88,6 +88,7 @@ def _finish(proc) -> str:
     return output
 
 
+@pytest.mark.slow
 @pytest.mark.process
 @pytest.mark.timeout(360)
 def test_pinned_service_outlives_a_learner_kill_and_actors_keep_inserting(tmp_path):

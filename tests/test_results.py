@@ -15,6 +15,9 @@ from launch_support import ENV, ROOT, TINY, load_script, usage_error
 
 from actorq_jax import analysis
 
+# The sweep tests share one module-scoped sweep: under pytest-xdist they stay on one worker.
+pytestmark = pytest.mark.xdist_group("sweep")
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 # The tiny D4PG run with a short budget and fewer evaluations: one run takes about a minute on a busy 2-core machine.
