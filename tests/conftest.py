@@ -17,12 +17,15 @@ import sys
 from typing import Any
 
 import pytest
-from launch_support import SHARED_ENV
+from launch_support import RAY_SETTINGS, SHARED_ENV
 
 
 def pytest_configure(config: pytest.Config) -> None:
     """Sets the shared environment for the whole test run, before any test module is imported."""
     os.environ.update(SHARED_ENV)
+    # Ray's client keeps the auth mode and token it first reads: whichever test imports Ray first must
+    # already see the ones every Ray instance of this test process is started with.
+    os.environ.update(RAY_SETTINGS)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
