@@ -21,7 +21,6 @@ class WriteTimeout(TimeoutError):
     """
 
 
-
 def _timeout_ms(timeout_s: Optional[float], default_ms: Optional[int]) -> Optional[int]:
     """A call's deadline in ms: `timeout_s` when given, else the adder's."""
     return default_ms if timeout_s is None else max(1, int(timeout_s * 1000))
@@ -111,7 +110,7 @@ class NStepAdder:
     def wait(self, timeout_s: Optional[float] = None) -> None:
         """Blocks until at most `max_in_flight_items` items await the server (WriteTimeout past `timeout_s`,
         default the adder's timeout_s)."""
-        self._flush(self._max_in_flight, _timeout_ms(timeout_s, self._timeout_ms))
+        self._flush(self._max_in_flight, timeout_s)
 
     def add_first(self, timestep: Any) -> None:
         """Starts an episode at a FIRST timestep (o_0 is written with a_0)."""
@@ -168,7 +167,7 @@ class NStepAdder:
         try:
             if self._in_episode and self._t >= self._n:
                 self._write_step(None, self._priority)  # the item the last observation completes
-            self._end_episode(_timeout_ms(timeout_s, self._timeout_ms))
+            self._end_episode(timeout_s)
         finally:
             self._start_episode_state()
 
@@ -213,14 +212,14 @@ class NStepAdder:
         if first >= 0:
             self._create_item(first, t, priority)
 
-    def _end_episode(self, timeout_ms: Optional[int] = None) -> None:
-        timeout_ms = self._timeout_ms if timeout_ms is None else timeout_ms
+    def _end_episode(self, timeout_s: Optional[float] = None) -> None:
+        timeout_ms = _timeout_ms(timeout_s, self._timeout_ms)
         self._flushed_at = self.items_written
         self._wait_for_server(lambda: self._writer.end_episode(clear_buffers=True, timeout_ms=timeout_ms),
                               "the episode's items", timeout_ms)
 
-    def _flush(self, pending: int, timeout_ms: Optional[int] = None) -> None:
-        timeout_ms = self._timeout_ms if timeout_ms is None else timeout_ms
+    def _flush(self, pending: int, timeout_s: Optional[float] = None) -> None:
+        timeout_ms = _timeout_ms(timeout_s, self._timeout_ms)
         self._wait_for_server(lambda: self._writer.flush(block_until_num_items=pending, timeout_ms=timeout_ms),
                               "items", timeout_ms)
 
