@@ -83,16 +83,17 @@ def _children(proc: subprocess.Popen) -> List[Any]:
         return []
 
 
+def _role(child: Any) -> Optional[str]:
+    """The worker role a launcher's child process runs (None: not a worker, or gone while we looked)."""
+    try:
+        cmd = child.cmdline()
+    except Exception:  # gone while we looked (psutil.NoSuchProcess, AccessDenied)
+        return None
+    return cmd[cmd.index("actorq_jax.launch.worker") + 1] if "actorq_jax.launch.worker" in cmd else None
+
+
 def _actors(proc: subprocess.Popen) -> List[Any]:
-    out = []
-    for child in _children(proc):
-        try:
-            cmd = child.cmdline()
-        except Exception:  # gone while we looked (psutil.NoSuchProcess, AccessDenied)
-            continue
-        if "actorq_jax.launch.worker" in cmd and "actor" in cmd:
-            out.append(child)
-    return out
+    return [child for child in _children(proc) if _role(child) == "actor"]
 
 
 def _wait_up(results: Path, proc: subprocess.Popen, old_pid: Optional[int] = None, timeout_s: float = 600) -> Dict:
@@ -158,15 +159,7 @@ def _service_paused(results: Path, proc: subprocess.Popen, old_pid: int, timeout
 
 def _worker_pids(proc: subprocess.Popen) -> Dict[int, str]:
     """{pid: role} of the launcher's worker processes now."""
-    out = {}
-    for child in _children(proc):
-        try:
-            cmd = child.cmdline()
-        except Exception:  # gone while we looked (psutil.NoSuchProcess, AccessDenied)
-            continue
-        if "actorq_jax.launch.worker" in cmd:
-            out[child.pid] = cmd[cmd.index("actorq_jax.launch.worker") + 1]
-    return out
+    return {child.pid: role for child in _children(proc) if (role := _role(child)) is not None}
 
 
 def _pause_replay(results: Path, proc: subprocess.Popen) -> Dict[str, Any]:
