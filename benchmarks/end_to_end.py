@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 from actorq_jax.analysis.run_figures import measure_run  # noqa: E402  (after the path insert)
 from actorq_jax.launch.placement import worker_env  # noqa: E402
+from actorq_jax.run_dir import RunDir  # noqa: E402
 from actorq_jax.telemetry import write_json  # noqa: E402
 from actorq_jax.telemetry.machine import machine_info  # noqa: E402
 
@@ -84,7 +85,7 @@ def _run(agent: str, layout: str, bits: int, seed: int, args: argparse.Namespace
     with open(out / f"{run_dir.name}.log", "w") as log:
         code = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                               timeout=args.max_seconds + 600).returncode
-    if code != 0 or not (run_dir / "summary.json").exists():
+    if code != 0 or not RunDir(run_dir).summary.exists():
         raise SystemExit(f"end_to_end: run {run_dir.name} failed (exit code {code}); see {out / (run_dir.name + '.log')}")
     return run_dir
 
@@ -96,8 +97,8 @@ def _finished_with(run_dir: Path, agent: str, flags: List[str]) -> bool:
     from actorq_jax.launch.flags import parse_run
 
     try:
-        summary = json.loads((run_dir / "summary.json").read_text())
-        kept_run, kept_agent = config_from_json((run_dir / "config.json").read_text())
+        summary = json.loads(RunDir(run_dir).summary.read_text())
+        kept_run, kept_agent = config_from_json(RunDir(run_dir).config.read_text())
     except (OSError, ValueError):
         return False
     # Parsed as a new run would be (the flags name run_dir, which parse_run refuses as taken).

@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from actorq_jax.launch.placement import worker_env  # noqa: E402  (after the path insert)
+from actorq_jax.run_dir import RunDir  # noqa: E402
 from actorq_jax.telemetry import read_csv, write_json  # noqa: E402
 from actorq_jax.telemetry.machine import machine_info  # noqa: E402
 
@@ -39,7 +40,7 @@ RUN_FLAGS = ["--task", "cartpole_balance", "--num_actors", "2", "--actor_bits", 
 
 def steady_rate(run_dir: Path) -> float:
     """Env steps per second between learner.csv's first and last rows (NaN with fewer than two rows)."""
-    rows = read_csv(run_dir / "learner.csv") if (run_dir / "learner.csv").exists() else []
+    rows = read_csv(RunDir(run_dir).learner_csv) if RunDir(run_dir).learner_csv.exists() else []
     if len(rows) < 2 or rows[-1]["wall_seconds"] <= rows[0]["wall_seconds"]:
         return math.nan
     return (rows[-1]["env_steps"] - rows[0]["env_steps"]) / (rows[-1]["wall_seconds"] - rows[0]["wall_seconds"])
@@ -56,9 +57,9 @@ def _run(launcher: str, trial: int, env_steps: int, max_seconds: float, out: Pat
         code = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                               timeout=max_seconds + 300).returncode
     process_seconds = time.monotonic() - started
-    if code != 0 or not (run_dir / "summary.json").exists():
+    if code != 0 or not RunDir(run_dir).summary.exists():
         raise SystemExit(f"launchers: run {run_dir.name} failed (exit code {code}); see {out / (run_dir.name + '.log')}")
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = json.loads(RunDir(run_dir).summary.read_text())
     return {"launcher": launcher, "trial": trial, "run_dir": str(run_dir), "env_steps": summary["env_steps"],
             "wall_seconds": summary["wall_seconds"], "process_seconds": process_seconds,
             "steady_env_steps_per_s": steady_rate(run_dir),

@@ -34,6 +34,7 @@ from typing import Any, Dict, List, Optional, Set
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from actorq_jax.launch.placement import worker_env  # noqa: E402  (after the path insert)
+from actorq_jax.run_dir import RunDir  # noqa: E402
 
 ENV = worker_env()
 # Small networks: the soak is about faults, not about learning fast. Each checkpoint writes the
@@ -64,7 +65,7 @@ class Soak:
 
 def _status(results: Path, role: str = "learner") -> Dict[str, Any]:
     try:
-        return json.loads((results / "status" / f"{role}.json").read_text())
+        return json.loads(RunDir(results).status_file(role).read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return {}
 
@@ -192,7 +193,7 @@ def _duplicate_actor(results: Path, soak: Soak) -> Dict[str, Any]:
     with open(logs / "first.log", "ab") as first_log:
         first = subprocess.Popen(command, cwd=REPO, env=ENV, stdout=first_log, stderr=subprocess.STDOUT)
     try:
-        csv = logs / f"actor_{actor_id}.csv"
+        csv = logs / RunDir.actor_file(actor_id)
         deadline = time.monotonic() + 300.0
         # A finished episode means its lease is held.
         while first.poll() is None and time.monotonic() < deadline and len(csv.read_text().splitlines()
@@ -262,7 +263,7 @@ def run_soak(soak: Soak, say) -> Dict[str, Any]:
             else:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(timeout=600)
-                summaries.append(json.loads((soak.results / "summary.json").read_text()))
+                summaries.append(json.loads(RunDir(soak.results).summary.read_text()))
                 say(f"{at:6.0f}s  stopped the run (code {proc.returncode}) at step {summaries[-1]['learner_steps']}; resuming")
                 proc = _launch(soak.results, ["--resume", str(soak.results)], log)
                 start += _paused(soak.results, proc)
@@ -271,7 +272,7 @@ def run_soak(soak: Soak, say) -> Dict[str, Any]:
             time.sleep(0.5)
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=600)
-        summaries.append(json.loads((soak.results / "summary.json").read_text()))
+        summaries.append(json.loads(RunDir(soak.results).summary.read_text()))
         say(f"{soak.seconds:6.0f}s  stopped the run (code {proc.returncode}) at step {summaries[-1]['learner_steps']}")
     finally:
         if proc.poll() is None:
@@ -288,7 +289,7 @@ def run_reference(results: Path, learner_steps: int, soak: Soak) -> Dict[str, An
     with open(results.parent / f"{results.name}.launcher.log", "ab") as log:
         subprocess.run([sys.executable, str(REPO / "experiments" / "run_d4pg.py"), *flags, "--results_dir", str(results)],
                        cwd=REPO, env=ENV, stdout=log, stderr=subprocess.STDOUT, check=False, timeout=3600)
-    return json.loads((results / "summary.json").read_text())
+    return json.loads(RunDir(results).summary.read_text())
 
 
 def _monotonic(values: List[float], strict: bool) -> bool:
@@ -301,7 +302,7 @@ def check(soak: Soak, disturbed: Dict[str, Any], reference_dir: Path) -> List[tu
 
     results = []
     bad_rows, rows, rejected = [], 0, 0
-    for path in sorted((soak.results / "actors").glob("actor_*.csv")):
+    for path in RunDir(soak.results).actor_csvs():
         for i, row in enumerate(read_csv(path)):
             rows += 1
             rejected = max(rejected, row.get("rejected_payloads") or 0)
@@ -311,7 +312,7 @@ def check(soak: Soak, disturbed: Dict[str, Any], reference_dir: Path) -> List[tu
                 bad_rows.append(f"{path.name}:{i + 2}")
     results.append(("actor CSV rows well-formed", rows > 0 and not bad_rows,
                     f"{rows} rows, {len(bad_rows)} malformed {bad_rows[:5]}; most payloads one actor rejected: {rejected}"))
-    learner = read_csv(soak.results / "learner.csv")
+    learner = read_csv(RunDir(soak.results).learner_csv)
     steps = [r["learner_steps"] for r in learner]
     env_steps = [r["env_steps"] for r in learner]
     summaries = disturbed["summaries"]
@@ -338,7 +339,7 @@ def check(soak: Soak, disturbed: Dict[str, Any], reference_dir: Path) -> List[tu
                     f"ran on: {duplicate.get('first_running')}, exited {duplicate.get('first_code')}"))
     losses_finite = all(math.isfinite(v) for r in learner for k, v in r.items()
                         if k.endswith("_loss") and isinstance(v, float))
-    learner_log = soak.results / "logs" / "learner.log"
+    learner_log = RunDir(soak.results).log("learner")
     diverged = learner_log.exists() and "learner diverged" in learner_log.read_text(errors="replace")
     failed = [s["exit_code"] for s in summaries if s.get("exit_code") != 0]
     results.append(("no non-finite parameter published",
@@ -346,7 +347,7 @@ def check(soak: Soak, disturbed: Dict[str, Any], reference_dir: Path) -> List[tu
                     f"most payloads one actor rejected {rejected} (malformed injected: {events.get('malformed', 0)}); "
                     f"learner.csv losses finite: {losses_finite}; learner diverged: {diverged}; launches that "
                     f"failed: {failed}"))
-    returns = [r["return"] for r in read_csv(reference_dir / "eval.csv") if r["policy"] == "fp32"]
+    returns = [r["return"] for r in read_csv(RunDir(reference_dir).eval_csv) if r["policy"] == "fp32"]
     final = summaries[-1]["final_eval_return"]
     low, high = (min(returns), max(returns)) if returns else (float("nan"), float("nan"))
     # Widened by one standard deviation of those evaluations: a short run's returns are noisy, and one
@@ -373,7 +374,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.num_actors < 1:
         parser.error(f"--num_actors must be >= 1, got {args.num_actors}")
     root = Path(args.results_dir or f"results/chaos_{time.strftime('%Y%m%d-%H%M%S')}").absolute()
-    if (root / "chaos" / "config.json").exists():
+    if RunDir(root / "chaos").config.exists():
         parser.error(f"--results_dir: {root} already holds a soak")
     # --quick: room for the special events and at least one actor kill (restarts stop the clock).
     seconds, gap = (44.0, (4.0, 6.0)) if args.quick else (args.minutes * 60.0, (20.0, 40.0))

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from actorq_jax.quantization.config import GRANULARITIES, VALID_BITS
+from actorq_jax.run_dir import RunDir
 
 BACKENDS = ("fakequant", "int8")
 COLUMNS = ("bits", "granularity", "backend", "kernel_mode", "episodes", "mean_return", "std_return", "min_return", "max_return",
@@ -72,9 +73,9 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     if args.seed < 0:
         parser.error(f"--seed: must be >= 0, got {args.seed}")
     run_dir = Path(args.checkpoint)
-    if not (run_dir / "config.json").is_file():
+    if not RunDir(run_dir).config.is_file():
         parser.error(f"--checkpoint: {run_dir} has no config.json (not a run's results directory)")
-    if not (run_dir / "checkpoints").is_dir():
+    if not RunDir(run_dir).checkpoints.is_dir():
         parser.error(f"--checkpoint: {run_dir} has no checkpoints/ folder")
     return args
 
@@ -153,11 +154,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from actorq_jax.launch.checkpoint import Checkpointer
     from actorq_jax.launch.config import config_from_json
 
-    run, agent_config = config_from_json((run_dir / "config.json").read_text())
+    run, agent_config = config_from_json(RunDir(run_dir).config.read_text())
     env_seed = runtime.derive_seed(args.seed, 20_000)
     spec = environment_spec(make_environment(run.task, seed=env_seed))
     builder = runtime.make_builder(run.agent, agent_config, spec)
-    checkpointer = Checkpointer(run_dir / "checkpoints")
+    checkpointer = Checkpointer(RunDir(run_dir).checkpoints)
     step = checkpointer.latest_step()
     restored = checkpointer.restore(builder.init_state(jax.random.PRNGKey(0)))
     checkpointer.close()

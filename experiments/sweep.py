@@ -28,6 +28,7 @@ from actorq_jax.agents.registry import agent_names, get_agent
 from actorq_jax.launch.flags import parse_run
 from actorq_jax.launch.runtime import die_with_parent
 from actorq_jax.quantization.config import VALID_BITS
+from actorq_jax.run_dir import RunDir
 from actorq_jax.telemetry import write_json
 
 EXPERIMENTS = Path(__file__).resolve().parent
@@ -175,7 +176,7 @@ def _run_one(entry: Dict[str, Any], script_cmd: List[str], passthrough: List[str
 
 
 def _keep_existing(entry: Dict[str, Any], run_dir: Path) -> None:
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = json.loads(RunDir(run_dir).summary.read_text())
     entry.update(status="existing", exit_code=summary.get("exit_code"), wall_seconds=summary.get("wall_seconds"))
 
 
@@ -192,7 +193,7 @@ def run_sweep(argv: Optional[Sequence[str]] = None) -> int:
     sweep_dir = Path(args.results_dir).absolute()
     index_path = sweep_dir / INDEX
     index = _plan(args, bits_list, seeds, passthrough, argv)
-    existing = {e["name"] for e in index["runs"] if args.skip_existing and (sweep_dir / e["dir"] / "summary.json").is_file()}
+    existing = {e["name"] for e in index["runs"] if args.skip_existing and RunDir(sweep_dir / e["dir"]).summary.is_file()}
     check_runs(args.agent, passthrough,
                [(e["bits"], e["seed"], sweep_dir / e["dir"]) for e in index["runs"] if e["name"] not in existing])
     (sweep_dir / "logs").mkdir(parents=True, exist_ok=True)

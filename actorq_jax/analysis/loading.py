@@ -16,6 +16,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
 
 import pandas as pd
 
+from actorq_jax.run_dir import RunDir
 from actorq_jax.telemetry.schema import ACTOR_PHASES
 
 PathLike = Union[str, Path]
@@ -44,7 +45,7 @@ def _read_json(path: Path) -> Dict[str, Any]:
 
 def is_run_dir(path: PathLike) -> bool:
     """Whether `path` holds a run written by the launcher (it has a config.json)."""
-    return (Path(path) / "config.json").is_file()
+    return RunDir(path).config.is_file()
 
 
 def find_run_dirs(sweep_dir: PathLike) -> List[Path]:
@@ -73,7 +74,7 @@ def _nan_if_none(value: Any) -> Any:
 def read_run(run_dir: PathLike) -> Dict[str, Any]:
     """One row describing a run: its configuration and, when it finished, its summary."""
     path = Path(run_dir)
-    config = _read_json(path / "config.json")
+    config = _read_json(RunDir(path).config)
     run = config.get("run", {})
     comm_bits = run.get("comm_bits")
     row: Dict[str, Any] = {column: math.nan for column in RUN_COLUMNS}
@@ -90,7 +91,7 @@ def read_run(run_dir: PathLike) -> Dict[str, Any]:
         "actor_backend": run.get("actor_backend"),
         "complete": False,
     })
-    summary_path = path / "summary.json"
+    summary_path = RunDir(path).summary
     if summary_path.is_file():
         summary = _read_json(summary_path)
         row["complete"] = True
@@ -133,17 +134,17 @@ def _read_stream(runs: pd.DataFrame, relative: str, rename: Optional[Dict[str, s
 
 def load_evals(runs: pd.DataFrame) -> pd.DataFrame:
     """Every evaluation episode of every run (eval.csv), with run metadata; eval's `bits` becomes `policy_bits`."""
-    return _read_stream(runs, "eval.csv", rename={"bits": "policy_bits"})
+    return _read_stream(runs, RunDir.EVAL_CSV, rename={"bits": "policy_bits"})
 
 
 def load_actor_episodes(runs: pd.DataFrame) -> pd.DataFrame:
     """Every actor episode of every run (actors/actor_<i>.csv), with run metadata."""
-    return _read_stream(runs, "actors/actor_*.csv")
+    return _read_stream(runs, f"{RunDir.ACTORS}/{RunDir.ACTOR_CSV_GLOB}")
 
 
 def load_learner(runs: pd.DataFrame) -> pd.DataFrame:
     """The learner's logged steps of every run (learner.csv), with run metadata."""
-    return _read_stream(runs, "learner.csv")
+    return _read_stream(runs, RunDir.LEARNER_CSV)
 
 
 def _as_set(values: Union[None, Any, Sequence[Any]]) -> Optional[set]:

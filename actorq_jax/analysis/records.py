@@ -20,11 +20,12 @@ from pathlib import Path
 from typing import Any, Dict, List, Union
 
 from actorq_jax.analysis.loading import SWEEP_INDEX, find_run_dirs
+from actorq_jax.run_dir import RunDir
 from actorq_jax.telemetry.machine import cpu_model
 
 PathLike = Union[str, Path]
-RECORD_FILES = ("config.json", "summary.json", "eval.csv", "learner.csv")
-RECORD_GLOBS = ("actors/actor_*.csv",)
+RECORD_FILES = (RunDir.CONFIG, RunDir.SUMMARY, RunDir.EVAL_CSV, RunDir.LEARNER_CSV)
+RECORD_GLOBS = (f"{RunDir.ACTORS}/{RunDir.ACTOR_CSV_GLOB}",)
 STUDY_INDEX = "study.json"
 
 
@@ -61,7 +62,7 @@ def collect(source: PathLike, records_root: PathLike, study: str) -> List[Path]:
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for run_dir in find_run_dirs(src):
-        if not (run_dir / "summary.json").is_file():
+        if not RunDir(run_dir).summary.is_file():
             continue
         target = out / run_dir.name
         if target.exists():

@@ -14,6 +14,7 @@ from typing import Any, Dict
 import pandas as pd
 
 from actorq_jax.analysis.aggregate import time_to_target
+from actorq_jax.run_dir import RunDir
 from actorq_jax.telemetry import ACTOR_PHASES
 
 
@@ -24,8 +25,8 @@ def measure_run(run_dir: Path, threshold: float) -> Dict[str, Any]:
     never reaches `threshold` has reached False and NaN time, env steps and
     energy to target.
     """
-    summary = json.loads((run_dir / "summary.json").read_text())
-    eval_path = run_dir / "eval.csv"
+    summary = json.loads(RunDir(run_dir).summary.read_text())
+    eval_path = RunDir(run_dir).eval_csv
     evals = pd.read_csv(eval_path) if eval_path.is_file() and eval_path.stat().st_size else pd.DataFrame()
     reach = time_to_target(evals, threshold)
     wall = float(summary["wall_seconds"])

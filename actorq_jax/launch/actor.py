@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Optional
 
 from actorq_jax.launch import runtime, vector_env
+from actorq_jax.run_dir import RunDir
 
 if TYPE_CHECKING:  # numpy and Reverb load after the thread budget is set (runtime.apply_thread_env)
     from actorq_jax.launch.actor_rows import RowForwarder
@@ -336,7 +337,7 @@ def run_actor(
     actor = Actor(run, agent_config, actor_id, address, stop, restart, server_timeout_s)
     lease = IdLease(address, actor_id, takeover=takeover_id)
     # One row per episode, flushed at once: a killed actor loses no finished episode.
-    csv_path = Path(log_dir) / f"actor_{actor_id}.csv"
+    csv_path = Path(log_dir) / RunDir.actor_file(actor_id)
     logger = CsvLogger(csv_path, ACTOR_FIELDS, flush_every_s=0)
     gone: Optional[ServerGone] = None
     try:

@@ -25,6 +25,8 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
+from actorq_jax.run_dir import RunDir
+
 log = logging.getLogger(__name__)
 
 ACTOR_ROWS_TABLE = "actor_rows"
@@ -185,7 +187,7 @@ class RowDrain:
         # newest episode written per sender: what the senders' outboxes may let go of.
         self._written: set = set()
         self._acked: Dict[str, int] = {}
-        for path in sorted(self._dir.glob("actor_*.csv")):
+        for path in sorted(self._dir.glob(RunDir.ACTOR_CSV_GLOB)):
             for row in _read_csv(path):
                 identity = row_identity(row)
                 if identity is not None:
@@ -244,7 +246,7 @@ class RowDrain:
 
         if actor_id not in self._loggers:
             # Flushed at once, as the actors' own files are: a killed service loses no drained row.
-            self._loggers[actor_id] = CsvLogger(self._dir / f"actor_{actor_id}.csv", ACTOR_FIELDS, flush_every_s=0)
+            self._loggers[actor_id] = CsvLogger(self._dir / RunDir.actor_file(actor_id), ACTOR_FIELDS, flush_every_s=0)
         return self._loggers[actor_id]
 
 

@@ -15,6 +15,8 @@ import logging
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Protocol
 
+from actorq_jax.run_dir import RunDir
+
 log = logging.getLogger(__name__)
 
 ROLES = ("launcher", "replay", "learner")
@@ -54,7 +56,7 @@ class FileChannel:
 
     def path(self, role: str) -> Path:
         """The file holding `role`'s report."""
-        return self.results_dir / "status" / f"{role}.json"
+        return RunDir(self.results_dir).status_file(role)
 
     def report(self, role: str, status: Dict[str, Any]) -> None:
         """Writes `role`'s report atomically."""

@@ -7,6 +7,7 @@ from typing import Any, Callable, Optional, Tuple
 
 from actorq_jax.launch import runtime
 from actorq_jax.launch.channel import make_channel
+from actorq_jax.run_dir import RunDir
 
 
 def run_episode(env: Any, policy: Callable[[Any, Any], Any], params: Any) -> float:
@@ -97,7 +98,7 @@ def run_evaluator(run: Any, agent_config: Any, address: str, stop: threading.Eve
     evaluator = Evaluator(run, agent_config, address)
     # Under Ray the rows also go to the launcher's process, through the replay service.
     forward_to = address if run.launcher == "ray" else None
-    with row_log(evaluator.results_dir / "eval.csv", EVAL_FIELDS, forward_to) as logger:
+    with row_log(RunDir(evaluator.results_dir).eval_csv, EVAL_FIELDS, forward_to) as logger:
         while True:
             final = stop.is_set()
             if final:

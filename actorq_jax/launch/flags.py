@@ -18,6 +18,7 @@ from actorq_jax.agents.registry import get_agent
 from actorq_jax.config import add_config_flags, flag_fields
 from actorq_jax.launch.config import BUDGETS, CPU_FLAGS, RunConfig, config_from_json, run_config_problems
 from actorq_jax.launch.runtime import cpu_list_problem
+from actorq_jax.run_dir import RunDir
 
 # RunConfig fields the parser handles itself rather than as plain flags.
 _SPECIAL_RUN_FIELDS = ("agent", "resume")
@@ -71,7 +72,7 @@ def parse_run(agent: str, argv: Optional[Sequence[str]], description: Optional[s
     problem = results_dir_problem(results)
     if problem:
         parser.error(f"--results_dir: {problem}")
-    if (results / "config.json").exists():
+    if RunDir(results).config.exists():
         parser.error(f"--results_dir: {results} already holds a run; pick another or use --resume {results}")
     agent_values = {f.name: getattr(args, f.name) for f in flag_fields(entry.config_class)}
     try:
@@ -112,7 +113,7 @@ def _given(argv: Sequence[str], name: str) -> bool:
 
 
 def _resume(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str]) -> Tuple[RunConfig, Any]:
-    path = Path(args.resume) / "config.json"
+    path = RunDir(args.resume).config
     if not path.exists():
         parser.error(f"--resume: {args.resume} has no config.json (not a results directory)")
     problem = results_dir_problem(Path(args.resume))

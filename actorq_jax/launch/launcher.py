@@ -32,6 +32,7 @@ from actorq_jax.launch.channel import FileChannel, RunChannel, make_channel
 from actorq_jax.launch.checkpoint import read_counters
 from actorq_jax.launch.config import RunConfig, save_config
 from actorq_jax.launch.placement import LAUNCHERS, LocalPlacement, Placement, WorkerProcess, ended, how_it_ended
+from actorq_jax.run_dir import RunDir
 
 START_TIMEOUT_S = 300.0
 ACTOR_STOP_TIMEOUT_S = 20.0
@@ -82,6 +83,7 @@ class Launcher:
         self.run = run
         self.agent_config = agent_config
         self.results_dir = Path(run.results_dir).absolute()
+        self.dir = RunDir(self.results_dir)
         self.stream = stream
         self.stop = runtime.StopFlag()  # set from signal handlers: must take no lock (see StopFlag)
         self.workers: List[Worker] = []
@@ -105,7 +107,7 @@ class Launcher:
         print(f"[actorq] {message}", file=self.stream, flush=True)
 
     def _log_tail(self, worker: Worker, lines: int = 30) -> str:
-        path = self.results_dir / "logs" / f"{worker.name}.log"
+        path = self.dir.log(worker.name)
         try:
             return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
         except FileNotFoundError:
@@ -136,14 +138,13 @@ class Launcher:
         from actorq_jax.telemetry import ProgressLine, write_json
 
         run = self.run
-        (self.results_dir / "logs").mkdir(parents=True, exist_ok=True)
-        (self.results_dir / "status").mkdir(exist_ok=True)
-        (self.results_dir / "actors").mkdir(exist_ok=True)
+        for folder in (self.dir.logs, self.dir.status, self.dir.actors):
+            folder.mkdir(parents=True, exist_ok=True)
         for stale in ("replay", "learner", "launcher"):
             self.record.path(stale).unlink(missing_ok=True)
         if run.port == 0:
             run = self.run = dataclasses.replace(run, port=free_port())
-        save_config(self.results_dir / "config.json", run, self.agent_config)
+        save_config(self.dir.config, run, self.agent_config)
         self.started = {"start_time": time.time(), "pid": os.getpid()}
         self.record.report("launcher", self.started)
         # Before our signal handlers: Ray installs its own when it starts.
@@ -158,7 +159,7 @@ class Launcher:
         exit_code = 0
         try:
             if port_in_use(run.port):
-                raise PortTaken(f"port {run.port} (the replay service's, from {self.results_dir / 'config.json'}) is "
+                raise PortTaken(f"port {run.port} (the replay service's, from {self.dir.config}) is "
                                 f"taken by another process; stop it, or start a new run")
             exit_code = self._start_run(replay, learner, progress_factory=lambda: ProgressLine(self.stream),
                                         start=start)
@@ -176,7 +177,7 @@ class Launcher:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         summary = self._summarise(time.monotonic() - start, energy_report, exit_code)
-        write_json(self.results_dir / "summary.json", summary)
+        write_json(self.dir.summary, summary)
         return summary
 
     def _start_run(self, replay: Worker, learner: Worker, progress_factory: Any, start: float) -> int:
@@ -297,7 +298,7 @@ class Launcher:
                       f"stopping the run:\n{self._log_tail(worker)}")
             return False
         worker.restarts += 1
-        counters = read_counters(self.results_dir / "checkpoints") or {}
+        counters = read_counters(self.dir.checkpoints) or {}
         what = (f"replay checkpoint {counters.get('replay_checkpoint')}" if worker.role == "replay"
                 else f"the checkpoint at learner step {counters.get('learner_steps', 0)}")
         self._say(f"{worker.name} died ({how}); restart {worker.restarts}/{budget} from {what}"
@@ -314,7 +315,7 @@ class Launcher:
         return True
 
     def _last_eval(self) -> str:
-        rows = _read_rows(self.results_dir / "eval.csv")
+        rows = _read_rows(self.dir.eval_csv)
         rows = [r for r in rows if r.get("policy") == "fp32"]
         return f"{float(rows[-1]['return']):.1f}" if rows else "-"
 
@@ -351,7 +352,7 @@ class Launcher:
         if exit_code == 0 and status.get("phase") == "done":
             return {"learner_steps": int(reported["learner_steps"]), "env_steps": int(reported["env_steps"]),
                     "counters_from": "final status report"}
-        checkpoint = read_counters(self.results_dir / "checkpoints") or {}
+        checkpoint = read_counters(self.dir.checkpoints) or {}
         return {
             "learner_steps": int(checkpoint.get("learner_steps", 0)),
             "env_steps": int(checkpoint.get("env_steps", 0)),
@@ -368,8 +369,7 @@ class Launcher:
 
         counters = self._counters(exit_code)
         env_steps = counters["env_steps"]
-        eval_path = self.results_dir / "eval.csv"
-        # The same aggregation the analysis tools use (a run that never evaluated reports NaN).
+        eval_path = self.dir.eval_csv  # the same aggregation as the analysis tools (no evaluation: NaN)
         evals = pd.read_csv(eval_path) if eval_path.exists() and eval_path.stat().st_size else pd.DataFrame()
         summary: Dict[str, Any] = {
             "agent": self.run.agent,
@@ -395,7 +395,7 @@ class Launcher:
         totals = {phase: 0.0 for phase in ACTOR_PHASES}
         cpu = {phase: 0.0 for phase in ACTOR_PHASES}
         episodes = 0
-        for path in sorted((self.results_dir / "actors").glob("actor_*.csv")):
+        for path in self.dir.actor_csvs():
             for row in _read_rows(path):
                 episodes += 1
                 for phase in ACTOR_PHASES:

@@ -39,6 +39,7 @@ from actorq_jax.replay import (
 )
 from actorq_jax.replay.background import BackgroundPublisher, PublishTotals
 from actorq_jax.replay.server import wait_for_server
+from actorq_jax.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ class Learner:
         self.address = address
         self.replay_table = builder.replay_config().name
         self.state = builder.init_state(jax.random.PRNGKey(run.seed))
-        self.checkpointer = Checkpointer(results_dir / "checkpoints")
+        self.checkpointer = Checkpointer(RunDir(results_dir).checkpoints)
         counters: Dict[str, Any] = {}
         if run.resume:
             restored = self.checkpointer.restore(self.state)
@@ -291,15 +292,15 @@ def _per_item(total: float, count: int) -> float:
 def run_learner(run: RunConfig, agent_config: Any, address: str, stop: threading.Event) -> int:
     """Learner main loop against the replay service at `address` until `stop` or a learner-step budget; the exit
     code (runtime.EXIT_DIVERGED when a loss or parameter stopped being finite)."""
-    results_dir = Path(run.results_dir)
+    results_dir = RunDir(run.results_dir)
     spec = environment_spec(make_environment(run.task, seed=run.seed))
-    learner = Learner(runtime.make_builder(run.agent, agent_config, spec), run, results_dir, address)
-    drop_rows_after(results_dir / "learner.csv", learner.steps)
+    learner = Learner(runtime.make_builder(run.agent, agent_config, spec), run, results_dir.root, address)
+    drop_rows_after(results_dir.learner_csv, learner.steps)
     start = time.monotonic()
-    csv_log = LearnerLog(results_dir / "learner.csv", start, learner.steps,
+    csv_log = LearnerLog(results_dir.learner_csv, start, learner.steps,
                          forward_to=address if run.launcher == "ray" else None)
     learner.publish(evaluation=True)
-    report = StatusReport(learner, start, make_channel(run, results_dir, address))
+    report = StatusReport(learner, start, make_channel(run, results_dir.root, address))
     report("running")
     try:
         try:

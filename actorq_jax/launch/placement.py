@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Protocol
 
+from actorq_jax.run_dir import RunDir
+
 WORKER_MODULE = "actorq_jax.launch.worker"
 LAUNCHERS = ("local", "ray")
 
@@ -111,7 +113,7 @@ class LocalPlacement(Placement):
 
     def start(self, name: str, role: str, args: List[str]) -> WorkerProcess:
         """Starts `python -m actorq_jax.launch.worker ROLE ...` here, its output appended to logs/<name>.log."""
-        log_path = self.results_dir / "logs" / f"{name}.log"
+        log_path = RunDir(self.results_dir).log(name)
         with open(log_path, "ab") as log_file:
             return subprocess.Popen(worker_command(role, os.getpid(), self.results_dir, args),
                                     stdout=log_file, stderr=subprocess.STDOUT, env=worker_env())

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
+from actorq_jax.run_dir import RunDir
+
 CALL_TIMEOUT_S = 60.0
 
 
@@ -42,7 +44,7 @@ class NodeEnergy:
     def stop(self) -> Tuple[Dict[str, float], str]:
         """Stops measuring: the node's figures and its emissions.csv text ('' when codecarbon wrote none)."""
         report = self.tracker.stop()
-        path = self.dir / "emissions.csv"
+        path = self.dir / RunDir.EMISSIONS
         text = path.read_text() if path.exists() else ""
         shutil.rmtree(self.dir, ignore_errors=True)
         return report, text
@@ -98,7 +100,7 @@ class RayEnergyMeter:
                 header = header or lines[0]
                 rows.extend(lines[1:])
         if header is not None:
-            (self.results_dir / "emissions.csv").write_text("\n".join([header, *rows]) + "\n")
+            RunDir(self.results_dir).emissions.write_text("\n".join([header, *rows]) + "\n")
         measured = [e for e in energy if not math.isnan(e)]
         measured_co2 = [e for e in emissions if not math.isnan(e)]
         return {"energy_kwh": sum(measured) if measured else math.nan,

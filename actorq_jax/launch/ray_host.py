@@ -18,6 +18,7 @@ from typing import Dict, List, Optional
 
 from actorq_jax.launch.placement import worker_command, worker_env
 from actorq_jax.launch.ray_energy import scratch_dir
+from actorq_jax.run_dir import RunDir
 
 # The most bytes one call carries (a checkpoint or a log comes over several calls).
 CHUNK_BYTES = 8 << 20
@@ -33,13 +34,13 @@ class WorkerHost:
 
         self.name = name
         self.dir = scratch_dir(f"{name}-")
-        for sub in ("logs", "status", "actors"):
+        for sub in (RunDir.LOGS, RunDir.STATUS, RunDir.ACTORS):
             (self.dir / sub).mkdir()
         config = json.loads(config_json)
         config["run"]["results_dir"] = str(self.dir)  # every role writes under run.results_dir: here
         # The service advertises the address other nodes reach it at: its node's IP.
         config["run"]["advertise_host"] = config["run"].get("advertise_host") or ray.util.get_node_ip_address()
-        (self.dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        RunDir(self.dir).config.write_text(json.dumps(config, indent=2, sort_keys=True))
         self.process: Optional[subprocess.Popen] = None
         self.pids: Dict[int, int] = {}
         self.started = threading.Condition()
@@ -70,7 +71,7 @@ class WorkerHost:
         """Runs the worker command until it exits; its exit code."""
         # Ray sets a thread count for its own workers; the worker's --threads decides ours, as locally.
         env = {k: v for k, v in worker_env().items() if k != "OMP_NUM_THREADS"}
-        with open(self.dir / "logs" / f"{self.name}.log", "ab") as log_file:
+        with open(RunDir(self.dir).log(self.name), "ab") as log_file:
             process = subprocess.Popen(worker_command(role, os.getpid(), self.dir, args), stdout=log_file,
                                        stderr=subprocess.STDOUT, env=env, cwd=self.dir)
         with self.started:

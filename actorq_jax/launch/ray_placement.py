@@ -46,6 +46,7 @@ from actorq_jax.launch.placement import Placement
 from actorq_jax.launch.ray_energy import RayEnergyMeter
 from actorq_jax.launch.ray_flags import actor_options, parse_resources
 from actorq_jax.launch.ray_host import CHUNK_BYTES, HOST_CONCURRENCY, WorkerHost
+from actorq_jax.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ COLLECT_PERIOD_S = 0.5
 # How long a host whose worker exited may take to show it is still there before it counts as lost.
 HOST_CHECK_S = 10.0
 # Checkpoint trees, and the file that marks a step in each finished.
-FINISHED = {"checkpoints": "counters/metadata", "replay_checkpoints": "DONE"}
+FINISHED = {RunDir.CHECKPOINTS: "counters/metadata", RunDir.REPLAY_CHECKPOINTS: "DONE"}
 
 
 class RayWorkerProcess:
@@ -244,7 +245,7 @@ class RayPlacement(Placement):
         incarnation = self.incarnations.get(name, -1) + 1
         self.incarnations[name] = incarnation
         actor = ray.remote(WorkerHost).options(max_restarts=0, max_task_retries=0, max_concurrency=HOST_CONCURRENCY,
-                                               **options).remote(name, (self.results_dir / "config.json").read_text())
+                                               **options).remote(name, RunDir(self.results_dir).config.read_text())
         host = _Host(name, role, actor, incarnation)
         if role in ("learner", "replay"):
             # A resumed run, or a learner or service whose node was lost, restores from the exported checkpoints.
@@ -295,7 +296,7 @@ class RayPlacement(Placement):
         with self.lock:
             host.dead = True
             self.events.append(f"{host.name} lost its host ({why})")
-        with open(self.results_dir / "logs" / f"{host.name}.log", "a") as f:
+        with open(RunDir(self.results_dir).log(host.name), "a") as f:
             f.write(f"\n[actorq driver] the host of {host.name} is gone: {why}\n")
 
     def fetch_log(self, host: _Host) -> None:
@@ -303,7 +304,7 @@ class RayPlacement(Placement):
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
-        rel = f"logs/{host.name}.log"
+        rel = f"{RunDir.LOGS}/{host.name}.log"
         try:
             with open(self.results_dir / rel, "ab") as out:
                 while True:
@@ -372,7 +373,7 @@ class RayPlacement(Placement):
                 client = reverb.Client(self.address)
                 client.server_info(timeout=2)  # up (and not restarting) before anything is written to it
                 # Every actor sends its rows under Ray: ids of the launcher's actors included.
-                self._drains = (client, RowDrain(client, self.results_dir / "actors", 0),
+                self._drains = (client, RowDrain(client, RunDir(self.results_dir).actors, 0),
                                 RunRowDrain(client, self.results_dir))
             self._drains[1].drain(timeout_s=2)
             self._drains[2].drain(timeout_s=2)
@@ -396,18 +397,18 @@ class RayPlacement(Placement):
         import ray
 
         for step in steps:
-            if (self.results_dir / "checkpoints" / str(step) / FINISHED["checkpoints"]).exists():
+            if (RunDir(self.results_dir).checkpoints / str(step) / FINISHED[RunDir.CHECKPOINTS]).exists():
                 continue
-            meta = ray.get(learner.actor.read.remote(f"checkpoints/{step}/{FINISHED['checkpoints']}", 0),
+            meta = ray.get(learner.actor.read.remote(f"{RunDir.CHECKPOINTS}/{step}/{FINISHED[RunDir.CHECKPOINTS]}", 0),
                            timeout=CALL_TIMEOUT_S)
             if not meta:
                 return  # pruned meanwhile: the next report says so
             name = json.loads(meta).get("replay_checkpoint")
             # The replay checkpoint first: a learner checkpoint in results_dir always has its replay.
-            if name and not (self.results_dir / "replay_checkpoints" / name / FINISHED["replay_checkpoints"]).exists():
-                if service.dead or not self._export(service, f"replay_checkpoints/{name}"):
+            if name and not (RunDir(self.results_dir).replay_checkpoints / name / FINISHED[RunDir.REPLAY_CHECKPOINTS]).exists():
+                if service.dead or not self._export(service, f"{RunDir.REPLAY_CHECKPOINTS}/{name}"):
                     return
-            self._export(learner, f"checkpoints/{step}")
+            self._export(learner, f"{RunDir.CHECKPOINTS}/{step}")
         self._prune(steps)
 
     def _export(self, host: _Host, rel_dir: str) -> bool:
@@ -438,12 +439,12 @@ class RayPlacement(Placement):
         """Removes the checkpoints the learner no longer keeps, and the replay checkpoints none of those names."""
         from actorq_jax.launch.checkpoint import read_counters
 
-        root = self.results_dir / "checkpoints"
+        root = RunDir(self.results_dir).checkpoints
         for path in root.iterdir() if root.is_dir() else []:
             if path.name.isdigit() and int(path.name) not in steps:
                 shutil.rmtree(path, ignore_errors=True)
         named = {(read_counters(root, s) or {}).get("replay_checkpoint") for s in steps}
-        replay_root = self.results_dir / "replay_checkpoints"
+        replay_root = RunDir(self.results_dir).replay_checkpoints
         for path in replay_root.iterdir() if replay_root.is_dir() else []:
             if not path.name.startswith(".") and path.name not in named:
                 shutil.rmtree(path, ignore_errors=True)

@@ -33,6 +33,7 @@ from actorq_jax.launch import runtime
 from actorq_jax.launch.channel import RunChannel, make_channel
 from actorq_jax.launch.checkpoint import read_counters
 from actorq_jax.launch.leases import LEASE_REQUESTS, LEASES_TABLE, LeaseBook, lease_tables
+from actorq_jax.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +62,10 @@ def control_tables() -> List[Any]:
 
 def restore_point(results_dir: Path) -> Optional[str]:
     """The replay checkpoint named by the learner's newest checkpoint (None when there is none)."""
-    counters = read_counters(Path(results_dir) / "checkpoints") or {}
+    run_dir = RunDir(results_dir)
+    counters = read_counters(run_dir.checkpoints) or {}
     name = counters.get("replay_checkpoint")
-    if name and (Path(results_dir) / "replay_checkpoints" / name / "DONE").exists():
+    if name and (run_dir.replay_checkpoints / name / "DONE").exists():
         return str(name)
     return None
 
@@ -112,7 +114,7 @@ class ReplayService:
         host = run.advertise_host or socket.getfqdn()  # what other machines use to reach this server
         self.server = ReplayServer(runtime.service_tables(builder, replay) + control_tables() + lease_tables(),
                                    port=run.port or None,
-                                   advertised_host=host, checkpoint_dir=self.results_dir / "replay_checkpoints",
+                                   advertised_host=host, checkpoint_dir=RunDir(self.results_dir).replay_checkpoints,
                                    restore=restore)
         self.client = self.server.client()
         # Rows and requests a restored table holds were answered before the crash (each checkpoint drains
@@ -126,7 +128,7 @@ class ReplayService:
         self.channel = make_channel(run, self.results_dir, f"localhost:{self.server.port}")
         # Remote actors' episode rows, into actors/ as the launcher's actors write theirs. Under Ray the
         # launcher's process drains them (every actor sends its rows then), into the real results directory.
-        self.rows = None if run.launcher == "ray" else RowDrain(self.client, self.results_dir / "actors",
+        self.rows = None if run.launcher == "ray" else RowDrain(self.client, RunDir(self.results_dir).actors,
                                                                  run.num_actors)
         self.leases = LeaseBook(self.client)
         self.restored = {"checkpoint": restore, "items": self.items()}

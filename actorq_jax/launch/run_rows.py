@@ -18,11 +18,13 @@ import os
 from pathlib import Path
 from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence
 
+from actorq_jax.run_dir import RunDir
+
 log = logging.getLogger(__name__)
 
 RUN_ROWS_TABLE = "run_rows"
 # The files rows may name (anything else is refused), relative to the results directory.
-ROW_FILES = ("learner.csv", "eval.csv")
+ROW_FILES = (RunDir.LEARNER_CSV, RunDir.EVAL_CSV)
 MAX_PENDING_ROWS = 10_000
 SEND_TIMEOUT_S = 5.0
 
@@ -145,7 +147,7 @@ class RunRowDrain:
                 self.rejected += 1
                 log.warning("dropped a malformed %s row (%d so far)", file, self.rejected)
                 continue
-            if file == "learner.csv":
+            if file == RunDir.LEARNER_CSV:
                 self._continue_learner(int(row.get("learner_steps", 0)))
             self._logger(file, fields).write(row)
             written += 1
@@ -161,12 +163,12 @@ class RunRowDrain:
 
     def _continue_learner(self, step: int) -> None:
         """Before a learner row at `step`: a step not past the last one means a restore, so rows past it go."""
-        path = self._dir / "learner.csv"
+        path = self._dir / RunDir.LEARNER_CSV
         if self._last_step is None:
             rows = _read_rows(path)
             self._last_step = int(rows[-1]["learner_steps"]) if rows else -1
         if step <= self._last_step:
-            logger = self._loggers.pop("learner.csv", None)
+            logger = self._loggers.pop(RunDir.LEARNER_CSV, None)
             if logger is not None:
                 logger.close()
             drop_rows_after(path, step - 1)

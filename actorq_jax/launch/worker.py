@@ -15,10 +15,10 @@ import os
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Callable, Optional
 
 from actorq_jax.launch import runtime
+from actorq_jax.run_dir import RunDir
 
 # How long a worker whose launcher is gone may still take to finish (the evaluator's final
 # evaluation otherwise gets 600 s).
@@ -55,8 +55,8 @@ def main(argv: Optional[list] = None) -> int:
 
     from actorq_jax.launch.config import config_from_json
 
-    results_dir = Path(args.results_dir)
-    config_json = (results_dir / "config.json").read_text()
+    results_dir = RunDir(args.results_dir)
+    config_json = results_dir.config.read_text()
     run, agent_config = config_from_json(config_json)
     runtime.apply_cpu_affinity(args.role, run)
     runtime.apply_jax_platform(args.role, run)
@@ -80,7 +80,7 @@ def main(argv: Optional[list] = None) -> int:
         # Under Ray the rows reach the launcher's results directory through the replay service, each once.
         forwarder = RowForwarder(args.server, WRITE_TIMEOUT_S) if run.launcher == "ray" else None
         target = lambda: run_actor(  # noqa: E731
-            run, agent_config, args.actor_id, args.server, stop, results_dir / "actors", restart=args.restart,
+            run, agent_config, args.actor_id, args.server, stop, results_dir.actors, restart=args.restart,
             forwarder=forwarder, takeover_id=True)
     else:
         from actorq_jax.launch.evaluator import run_evaluator
