@@ -28,6 +28,7 @@ class RunDir:
     ACTOR_CSV_GLOB: ClassVar[str] = "actor_*.csv"
     CHECKPOINTS: ClassVar[str] = "checkpoints"  # the learner's Orbax checkpoints, with its counters
     REPLAY_CHECKPOINTS: ClassVar[str] = "replay_checkpoints"  # the replay service's Reverb checkpoints
+    TENSORBOARD: ClassVar[str] = "tensorboard"  # TensorBoard event files, one folder per stream
 
     def __init__(self, root: Union[str, Path]):
         self.root = Path(root)
@@ -111,3 +112,8 @@ class RunDir:
     def replay_checkpoints(self) -> Path:
         """replay_checkpoints/."""
         return self.root / self.REPLAY_CHECKPOINTS
+
+    @property
+    def tensorboard(self) -> Path:
+        """tensorboard/: event files of the learner, the evaluator and each actor (one folder each)."""
+        return self.root / self.TENSORBOARD

@@ -18,7 +18,7 @@ from actorq_jax.launch.actor_rows import (
     encode_row,
     make_actor_rows_tables,
 )
-from actorq_jax.launch.launcher import free_port
+from actorq_jax.launch.runtime import free_port
 from actorq_jax.replay import ReplayServer
 from actorq_jax.telemetry import ACTOR_FIELDS, read_csv
 

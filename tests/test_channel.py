@@ -15,7 +15,7 @@ from actorq_jax.launch.channel import (
     make_status_tables,
     status_table,
 )
-from actorq_jax.launch.launcher import free_port
+from actorq_jax.launch.runtime import free_port
 
 
 def test_file_channel_reads_what_was_reported(tmp_path):

@@ -77,13 +77,22 @@ def test_budget_run_leaves_a_complete_results_directory(tmp_path):
     assert config["run"]["actor_bits"] == 8 and config["agent"]["policy_layers"] == [16, 16]
     assert config["run"]["port"] > 0  # picked by the launcher, kept for --resume
     assert any((d / "checkpoints").iterdir()) and any((d / "replay_checkpoints").iterdir())
+    # TensorBoard (on by default): one event file per stream, holding what the CSVs hold.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(d / "tensorboard" / "learner"))
+    board.Reload()
+    steps = [e.step for e in board.Scalars("learner/critic_loss")]
+    assert steps == [int(r["learner_steps"]) for r in learner_rows]
+    for stream in ("eval", "actor_0"):
+        assert list((d / "tensorboard" / stream).glob("events.out.tfevents.*")), stream
 
 
 @pytest.mark.process
 @pytest.mark.timeout(300)
 def test_sigterm_stops_the_run_cleanly_without_orphans(tmp_path):
     results = tmp_path / "run"
-    proc = start_run(results, *TINY, "--num_actors", "1", "--max_seconds", "250")
+    proc = start_run(results, *TINY, "--num_actors", "1", "--max_seconds", "250", "--tensorboard", "false")
     try:
         _first_episode(results, proc)
         pids = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
@@ -95,6 +104,7 @@ def test_sigterm_stops_the_run_cleanly_without_orphans(tmp_path):
     assert proc.returncode == 0, out[-3000:]
     assert "stop requested" in out
     assert alive(pids) == [], f"processes outlived the run: {alive(pids)}"
+    assert not (results / "tensorboard").exists()  # --tensorboard false writes no events
 
 
 @pytest.mark.process

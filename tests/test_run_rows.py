@@ -5,8 +5,8 @@ A real Reverb server on a free localhost port stands in for the replay service.
 
 import pytest
 
-from actorq_jax.launch.launcher import free_port
 from actorq_jax.launch.run_rows import RowSender, RunRowDrain, drop_rows_after, make_run_rows_table, row_log
+from actorq_jax.launch.runtime import free_port
 from actorq_jax.telemetry import EVAL_FIELDS, CsvLogger, read_csv
 
 FIELDS = ["learner_steps", "env_steps", "loss"]

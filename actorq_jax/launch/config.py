@@ -85,6 +85,8 @@ class RunConfig:
     advertise_host: str = documented(
         "", "host part of the replay service's Reverb address other machines use (default: this machine's name; under Ray "
             "its node's IP). Reverb's port has no authentication: keep a cluster on a trusted network")
+    tensorboard: bool = documented(
+        True, "write the run's learner, evaluator and actor rows as TensorBoard scalars under results_dir/tensorboard")
     resume: bool = documented(False, "continue from results_dir's last checkpoint (the flag is --resume RESULTS_DIR)",
                               flag=False)
 

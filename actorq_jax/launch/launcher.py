@@ -15,12 +15,10 @@ remote actors already look, and fails clearly when something else holds it.
 """
 
 import dataclasses
-import errno
 import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +31,7 @@ from actorq_jax.launch.checkpoint import read_counters
 from actorq_jax.launch.config import RunConfig, save_config
 from actorq_jax.launch.placement import LAUNCHERS, LocalPlacement, Placement, WorkerProcess, ended, how_it_ended
 from actorq_jax.run_dir import RunDir
+from actorq_jax.telemetry.tensorboard import TensorBoardExport
 
 START_TIMEOUT_S = 300.0
 ACTOR_STOP_TIMEOUT_S = 20.0
@@ -41,26 +40,6 @@ EVALUATOR_FINAL_TIMEOUT_S = 600.0
 # With every launcher actor gone for good, the run stops once no env step has arrived for this long
 # (remote actors, if any, keep it going): the learner would otherwise wait on replay until its budget.
 NO_ACTORS_STALL_S = 30.0
-
-
-def free_port() -> int:
-    """A port nothing listens on now (the kernel's pick)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def port_in_use(port: int) -> bool:
-    """Whether something listens on `port` (connections lingering in TIME_WAIT do not count)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError as error:
-            if error.errno == errno.EADDRINUSE:
-                return True
-            raise
-    return False
 
 
 @dataclasses.dataclass
@@ -143,7 +122,7 @@ class Launcher:
         for stale in ("replay", "learner", "launcher"):
             self.record.path(stale).unlink(missing_ok=True)
         if run.port == 0:
-            run = self.run = dataclasses.replace(run, port=free_port())
+            run = self.run = dataclasses.replace(run, port=runtime.free_port())
         save_config(self.dir.config, run, self.agent_config)
         self.started = {"start_time": time.time(), "pid": os.getpid()}
         self.record.report("launcher", self.started)
@@ -152,13 +131,14 @@ class Launcher:
         previous = {sig: signal.signal(sig, lambda *_: self.stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
         energy = self.placement.energy_meter(run.country)
         energy.start()
+        board = TensorBoardExport(self.results_dir).start() if run.tensorboard else None
         start = time.monotonic()
         replay = Worker("replay", "replay", [], 1)
         learner = Worker("learner", "learner", [], run.learner_threads)
         self.workers.extend([replay, learner])
         exit_code = 0
         try:
-            if port_in_use(run.port):
+            if runtime.port_in_use(run.port):
                 raise PortTaken(f"port {run.port} (the replay service's, from {self.dir.config}) is "
                                 f"taken by another process; stop it, or start a new run")
             exit_code = self._start_run(replay, learner, progress_factory=lambda: ProgressLine(self.stream),
@@ -173,6 +153,8 @@ class Launcher:
                 exit_code = 1
             energy_report = energy.stop()
             self.placement.close()  # the results directory is complete after it
+            if board is not None:
+                board.close()  # the rows the placement's close brought in are in the events too
             self.events.extend(self.placement.events)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)

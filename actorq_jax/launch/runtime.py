@@ -1,8 +1,10 @@
 """Process plumbing shared by the learner, actor and evaluator workers (imports no JAX)."""
 
 import ctypes
+import errno
 import os
 import signal
+import socket
 import time
 from typing import Any, Dict, Optional, Tuple
 
@@ -212,3 +214,23 @@ def derive_seed(*parts: int) -> int:
     import numpy as np
 
     return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0])
+
+
+def free_port() -> int:
+    """A port nothing listens on now (the kernel's pick)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def port_in_use(port: int) -> bool:
+    """Whether something listens on `port` (connections lingering in TIME_WAIT do not count)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError as error:
+            if error.errno == errno.EADDRINUSE:
+                return True
+            raise
+    return False

@@ -1,0 +1,65 @@
+"""TensorBoard export: a run's CSV rows become scalars that TensorBoard's own reader finds, row by row as they come."""
+
+from pathlib import Path
+
+import pytest
+
+from actorq_jax.run_dir import RunDir
+from actorq_jax.telemetry import ACTOR_FIELDS, EVAL_FIELDS, CsvLogger
+from actorq_jax.telemetry.tensorboard import CsvFollower, RunScalars
+
+
+def _scalars(logdir: Path) -> dict:
+    """{tag: [(step, value), ...]} read back by TensorBoard's event reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(logdir))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def _actor_row(env_steps: int, episode_return: float) -> dict:
+    row = {k: 0.0 for k in ACTOR_FIELDS}
+    row.update(actor_id=1, incarnation="a", episode=env_steps // 100, env_steps=env_steps, episode_length=100,
+               episode_return=episode_return, env_step_s=0.02, inference_s=0.03)
+    return row
+
+
+def test_rows_become_scalars_of_their_stream_at_their_step(tmp_path: Path) -> None:
+    run = RunDir(tmp_path)
+    learner = CsvLogger(run.learner_csv, ["learner_steps", "wall_seconds", "critic_loss"], flush_every_s=0)
+    evals = CsvLogger(run.eval_csv, EVAL_FIELDS, flush_every_s=0)
+    actor = CsvLogger(run.actor_csv(1), ACTOR_FIELDS, flush_every_s=0)
+    learner.write({"learner_steps": 100, "wall_seconds": 3.0, "critic_loss": 0.5})
+    evals.write({"wall_seconds": 4.0, "env_steps": 900, "learner_steps": 100, "policy": "fp32", "bits": 32,
+                 "episode": 0, "return": 812.5, "final": False})
+    evals.write({"wall_seconds": 4.0, "env_steps": 900, "learner_steps": 100, "policy": "actor", "bits": 8,
+                 "episode": 0, "return": 790.0, "final": False})
+    actor.write(_actor_row(200, 41.0))
+    scalars = RunScalars(tmp_path)
+    assert scalars.poll() == 4
+    learner.write({"learner_steps": 200, "wall_seconds": 6.0, "critic_loss": 0.25})
+    assert scalars.poll() == 1  # only the new row
+    assert scalars.poll() == 0
+    scalars.close()
+
+    assert _scalars(run.tensorboard / "learner")["learner/critic_loss"] == [(100, 0.5), (200, 0.25)]
+    board = _scalars(run.tensorboard / "eval")
+    assert board["eval/return_fp32"] == [(100, 812.5)] and board["eval/return_actor"] == [(100, 790.0)]
+    board = _scalars(run.tensorboard / "actor_1")
+    assert board["actor/episode_return"] == [(200, 41.0)]
+    assert board["actor_ms_per_step/inference"] == [(200, pytest.approx(0.3))]  # 30 ms over 100 steps
+    assert board["actor/env_steps_per_s"] == [(200, pytest.approx(2000.0))]  # 100 steps in 50 ms of phases
+
+
+def test_a_follower_waits_for_whole_lines_and_rereads_a_rewritten_file(tmp_path: Path) -> None:
+    path = tmp_path / "learner.csv"
+    follower = CsvFollower(path)
+    assert follower.new_rows() == []  # no file yet
+    path.write_text("learner_steps,loss\n10,0.5\n20,0.")
+    assert follower.new_rows() == [{"learner_steps": 10.0, "loss": 0.5}]  # the cut line waits
+    with open(path, "a") as f:
+        f.write("25\n")
+    assert follower.new_rows() == [{"learner_steps": 20.0, "loss": 0.25}]
+    path.write_text("learner_steps,loss\n10,0.5\n")  # a restored learner dropped the rows past its checkpoint
+    assert follower.new_rows() == [{"learner_steps": 10.0, "loss": 0.5}]
