@@ -28,6 +28,11 @@ option's matmul GFLOP per CPU second, measured in the same trials.
     python benchmarks/learner.py [--quick] [--json PATH] [--agents d4pg,dqn] [--sizes 256,1024,2048]
 
 --quick: the 256x3 cases only, 2 trials of 0.2 s (under a minute on a quiet machine).
+
+TensorBoard export runs in the launcher's process, not the learner's: what it can cost the learner is
+the CPU it takes from a shared core. This script times that CPU per learner.csv row (the follower and
+event writer of actorq_jax.telemetry.tensorboard) and states it as a fraction of the CPU of the
+LOG_EVERY_STEPS SGD steps each row stands for (D4PG 256x3, default options).
 """
 
 from __future__ import annotations
@@ -439,6 +444,30 @@ def print_table(rows: List[Dict[str, Any]], machine: Dict[str, Any]) -> None:
                   f"| {r['cpu_per_wall']:.2f} |")
 
 
+def tensorboard_cpu_per_row(trials: int, rows_per_trial: int = 200) -> float:
+    """Median CPU seconds the TensorBoard export spends on one learner.csv row (a D4PG row's width)."""
+    from actorq_jax.run_dir import RunDir
+    from actorq_jax.telemetry import CsvLogger
+    from actorq_jax.telemetry.tensorboard import RunScalars
+
+    fields = ["learner_steps", "wall_seconds", "env_steps", "sgd_steps_per_s", "cpu_s_per_step", "publish_s",
+              "publish_bytes", "versions_published", "versions_dropped", "critic_loss", "critic_grad_norm",
+              "policy_loss", "policy_grad_norm", "q_mean"]
+    costs = []
+    for _ in range(trials):
+        with tempfile.TemporaryDirectory() as tmp:
+            logger = CsvLogger(RunDir(tmp).learner_csv, fields, flush_every_s=0)
+            for i in range(rows_per_trial):
+                logger.write({name: float(i) + 0.5 for name in fields} | {"learner_steps": 100 * (i + 1)})
+            logger.close()
+            scalars = RunScalars(tmp)
+            start = time.thread_time()
+            assert scalars.poll() == rows_per_trial
+            costs.append((time.thread_time() - start) / rows_per_trial)
+            scalars.close()
+    return statistics.median(costs)
+
+
 def _names(text: str, known: Tuple[Any, ...], kind: type) -> Tuple[Any, ...]:
     values = tuple(kind(v) for v in text.split(",") if v)
     unknown = [v for v in values if v not in known]
@@ -476,11 +505,22 @@ def main(argv: Optional[List[str]] = None) -> int:
     finally:
         for worker in workers.values():
             worker.close()
+    figures = headline(rows)
+    from actorq_jax.launch.learner import LOG_EVERY_STEPS
+
+    row_cpu_s = tensorboard_cpu_per_row(trials)
+    step = _find(rows, "d4pg", 256, "default", "step")
+    figures["tensorboard_cpu_s_per_learner_row"] = row_cpu_s
+    # Export CPU over the learner CPU of the steps one row covers: the most it could take from a shared core.
+    figures["tensorboard_cpu_fraction_256x3"] = (
+        None if step is None else row_cpu_s * step["sgd_per_cpu_s"] / LOG_EVERY_STEPS)
+    print(f"tensorboard export: {1e6 * row_cpu_s:.0f} us of CPU per learner.csv row (one row per {LOG_EVERY_STEPS} "
+          f"SGD steps; {figures['tensorboard_cpu_fraction_256x3'] or float('nan'):.2e} of their CPU at D4PG 256x3)")
     machine = machine_info()
     machine.update(loadavg_before_1_5_15=load_before, threads=1, worker_core=worker_core(),
                    xla_flags={option: worker.xla_flags for option, worker in workers.items()})
     print_table(rows, machine)
-    return report(args.json, "learner", machine, rows, headline(rows),
+    return report(args.json, "learner", machine, rows, figures,
                   "D4PG 256x3, default XLA options; speedups vs the one-step call")
 
 

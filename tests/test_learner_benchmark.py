@@ -10,7 +10,8 @@ from launch_support import ENV, ROOT
 
 from actorq_jax.agents.learner_xla import NO_THUNK_RUNTIME, learner_xla_flags
 
-HEADLINE = ("learner_sgd_per_s_256x3", "learner_flops_fraction_256x3", "learner_sampling_overhead_256x3")
+HEADLINE = ("learner_sgd_per_s_256x3", "learner_flops_fraction_256x3", "learner_sampling_overhead_256x3",
+            "tensorboard_cpu_s_per_learner_row", "tensorboard_cpu_fraction_256x3")
 
 
 @pytest.mark.process
