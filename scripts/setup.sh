@@ -30,7 +30,7 @@ stamp=.venv/.actorq-installed
 if [ ! -f "$stamp" ] || [ requirements.txt -nt "$stamp" ] || [ setup.py -nt "$stamp" ] \
    || [ -n "$(find actorq_jax/kernels -name '*.cc' -newer "$stamp" 2>/dev/null)" ]; then
   echo "setup: installing pinned dependencies (about 2 minutes on a fresh machine)"
-  .venv/bin/python -m pip install --quiet --upgrade pip setuptools wheel
+  .venv/bin/python -m pip install --quiet --upgrade pip wheel
   .venv/bin/python -m pip install --quiet -r requirements.txt
   # No build isolation: setup.py compiles the int8 kernel against the installed jaxlib's headers.
   .venv/bin/python -m pip install --quiet --no-build-isolation --no-deps -e .

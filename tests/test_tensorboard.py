@@ -1,9 +1,15 @@
 """TensorBoard export: a run's CSV rows become scalars that TensorBoard's own reader finds, row by row as they come."""
 
+import json
+import subprocess
+import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
+from launch_support import ENV, stop_all, wait_for
 
+from actorq_jax.launch.runtime import free_port
 from actorq_jax.run_dir import RunDir
 from actorq_jax.telemetry import ACTOR_FIELDS, EVAL_FIELDS, CsvLogger
 from actorq_jax.telemetry.tensorboard import CsvFollower, RunScalars
@@ -63,3 +69,32 @@ def test_a_follower_waits_for_whole_lines_and_rereads_a_rewritten_file(tmp_path:
     assert follower.new_rows() == [{"learner_steps": 20.0, "loss": 0.25}]
     path.write_text("learner_steps,loss\n10,0.5\n")  # a restored learner dropped the rows past its checkpoint
     assert follower.new_rows() == [{"learner_steps": 10.0, "loss": 0.5}]
+
+
+@pytest.mark.process
+@pytest.mark.timeout(120)
+def test_tensorboard_serves_the_exported_scalars(tmp_path: Path) -> None:
+    """The README's `tensorboard --logdir results` finds a run's streams and tags (served on loopback only)."""
+    run = RunDir(tmp_path / "results" / "q8_run")
+    learner = CsvLogger(run.learner_csv, ["learner_steps", "critic_loss"], flush_every_s=0)
+    learner.write({"learner_steps": 100, "critic_loss": 0.5})
+    scalars = RunScalars(run.root)
+    assert scalars.poll() == 1
+    scalars.close()
+    port = free_port()
+    board = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(tmp_path / "results"),
+                              "--host", "127.0.0.1", "--port", str(port)], env=ENV, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+
+    def tags() -> dict:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/data/plugin/scalars/tags", timeout=5) as reply:
+                return json.loads(reply.read())
+        except OSError:
+            return {}
+
+    try:
+        served = wait_for(lambda: tags().get("q8_run/tensorboard/learner"), 90, "TensorBoard's scalar tags", board)
+    finally:
+        stop_all(board)
+    assert "learner/critic_loss" in served
