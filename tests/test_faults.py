@@ -252,13 +252,13 @@ def test_new_dqn_items_are_sampled_at_the_max_priority(tmp_path):
             pass
         for _ in range(4):
             learner.step()
-        assert learner.max_priority > 1.0  # the TD errors of a fresh network on CartPole's rewards
+        assert learner.feedback.max_priority > 1.0  # the TD errors of a fresh network on CartPole's rewards
         learner.publish()  # the actors learn the max priority with the parameters
         assert learner.publisher.flush(timeout_s=60)
         actor.variables.update(wait=True)
-        assert actor.variables.meta == {"max_priority": learner.max_priority}
+        assert actor.variables.meta == {"max_priority": learner.feedback.max_priority}
         actor.run_episode()
         items = checkpoint_items(checkpoints, service.server.checkpoint("after"), "replay")
         new = {key: priority for key, priority in items.items() if key not in old}
         assert len(old) >= 60 and new
-        assert set(np.float32(list(new.values()))) == {np.float32(learner.max_priority)}
+        assert set(np.float32(list(new.values()))) == {np.float32(learner.feedback.max_priority)}
