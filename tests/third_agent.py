@@ -25,7 +25,7 @@ import tensorflow as tf
 
 from actorq_jax.agents.builder import AgentBuilder
 from actorq_jax.agents.registry import AgentEntry, register_agent
-from actorq_jax.config import AgentConfig, check_positive, documented
+from actorq_jax.config import AgentConfig, check, check_positive, documented
 from actorq_jax.networks import QNetwork
 from actorq_jax.replay import ReplayBatch, ReplayDataset, WriteTimeout, transition_signature
 
@@ -47,6 +47,7 @@ class ThirdConfig(AgentConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_positive(self, ("learning_rate",))
+        check(0.0 <= self.epsilon <= 1.0, self, "epsilon", "must be in [0, 1]")
 
 
 class StepItem(NamedTuple):

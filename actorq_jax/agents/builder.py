@@ -180,7 +180,8 @@ class AgentBuilder(abc.ABC):
 
     def make_dataset(self, address: str, rate_limiter_timeout_ms: int) -> Iterator[Any]:
         """The batches sgd_step takes, sampled from the replay service at `address` (StopIteration once the
-        rate limiter held a sample for `rate_limiter_timeout_ms`): ReplayBatches of n-step Transitions."""
+        rate limiter held a sample for `rate_limiter_timeout_ms`, tf.errors.OpError when the service went away):
+        ReplayBatches of n-step Transitions."""
         return ReplayDataset(address, self.replay_config().name, self.batch_size, with_info=True,
                              rate_limiter_timeout_ms=rate_limiter_timeout_ms)
 
