@@ -44,8 +44,7 @@ def _serve(backend: str, bits: int, envs: int, publish_every: float, stop: threa
     """Starts a replay service (its server and its loop) in this process; publishes variables until `stop`."""
     import jax
 
-    from actorq_jax.agents.d4pg.builder import D4PGBuilder
-    from actorq_jax.agents.d4pg.config import D4PGConfig
+    from actorq_jax.agents.registry import get_agent
     from actorq_jax.environments import environment_spec, make_environment
     from actorq_jax.launch import runtime
     from actorq_jax.launch.config import RunConfig
@@ -53,11 +52,12 @@ def _serve(backend: str, bits: int, envs: int, publish_every: float, stop: threa
     from actorq_jax.quantization import QuantConfig
     from actorq_jax.replay import ReplayTableConfig, VariablePublisher
 
-    agent = D4PGConfig(policy_layers=LAYERS)
+    entry = get_agent("d4pg")
+    agent = entry.config_class(policy_layers=LAYERS)
     run = RunConfig(agent="d4pg", task=TASK, results_dir=results_dir, actor_bits=bits, actor_backend=backend,
                     update_period=100, num_actors=1, envs_per_actor=envs)
     spec = environment_spec(make_environment(TASK, seed=0))
-    builder = D4PGBuilder(agent, spec)
+    builder = entry.make_builder(agent, spec)
     # No learner samples here, so the replay table must not rate-limit the actor.
     replay = ReplayTableConfig(name="replay", max_size=100_000, min_size=1, samples_per_insert=None)
     config_json = json.dumps({"run": dataclasses.asdict(run), "agent": dataclasses.asdict(agent)})

@@ -41,24 +41,22 @@ from typing import Any, Dict, List, Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from actorq_jax.analysis.run_figures import measure_run  # noqa: E402  (after the path insert)
+from actorq_jax.agents.registry import get_agent  # noqa: E402  (after the path insert)
+from actorq_jax.analysis.run_figures import measure_run  # noqa: E402
 from actorq_jax.launch.placement import worker_env  # noqa: E402
 from actorq_jax.run_dir import RunDir  # noqa: E402
 from actorq_jax.telemetry import write_json  # noqa: E402
 from actorq_jax.telemetry.machine import machine_info  # noqa: E402
 
-# Per agent: task, the return that counts as solved, and layer flags. D4PG's policy size: a learner
-# here makes about 63 / 21.5 / 6.7 SGD steps/s at 256x3 / 1024x3 / 2048x3 (benchmarks/learner.py measures it), and
-# cartpole_balance needs roughly 5-10k SGD steps to reach 900 at 256x3, so 256x3 is the largest
-# size whose 3-seed, 2-layout, 2-precision grid (12 runs) fits in about 75 minutes of runs.
+# Per agent: task, the return that counts as solved, and layer flags (--quick runs the agent's registered quick
+# preset instead). D4PG's policy size: a learner here makes about 63 / 21.5 / 6.7 SGD steps/s at 256x3 / 1024x3 /
+# 2048x3 (benchmarks/learner.py measures it), and cartpole_balance needs roughly 5-10k SGD steps to reach 900 at
+# 256x3, so 256x3 is the largest size whose 3-seed, 2-layout, 2-precision grid (12 runs) fits in about 75 minutes of runs.
 AGENTS = {
     "d4pg": {"task": "cartpole_balance", "target": 1000.0, "layers": ["--policy_layers", "256,256,256",
                                                                        "--critic_layers", "256,256"]},
     "dqn": {"task": "CartPole-v1", "target": 500.0, "layers": ["--q_layers", "256,256"]},
 }
-QUICK_LAYERS = {"d4pg": ["--policy_layers", "16,16", "--critic_layers", "32,32", "--batch_size", "16",
-                         "--min_replay_size", "100"],
-                "dqn": ["--q_layers", "16,16", "--batch_size", "16", "--min_replay_size", "100"]}
 LAYOUTS = ("pinned", "shared")
 BITS = (32, 8)
 
@@ -76,7 +74,7 @@ def _run(agent: str, layout: str, bits: int, seed: int, args: argparse.Namespace
            "--actor_bits", str(bits), "--seed", str(seed), "--num_actors", "2",
            *_regime_flags(args), "--max_seconds", str(args.max_seconds),
            "--eval_period", str(args.eval_period), "--results_dir", str(run_dir),
-           *(QUICK_LAYERS[agent] if args.quick else spec["layers"]), *_layout_flags(layout),
+           *(get_agent(agent).quick if args.quick else spec["layers"]), *_layout_flags(layout),
            *args.run_flags]  # the same for both precisions: a setting, never a per-precision tuning
     if _finished_with(run_dir, agent, cmd[4:]):
         print(f"[end_to_end] {run_dir.name}: kept (finished earlier in {out} with the same flags)", flush=True)

@@ -147,11 +147,11 @@ class _Worker:
 
     def _live(self, address: str, builder: Any) -> Tuple[Any, Any]:
         """(client, dataset) of the replay table at `address`, built once per server."""
-        from actorq_jax.replay import ReplayDataset, wait_for_server
+        from actorq_jax.replay import wait_for_server
 
         if address not in self.replay:
-            # As the learner builds it: with the sampling info its sgd_step and priority write-back need.
-            dataset = ReplayDataset(address, builder.replay_config().name, builder.batch_size, with_info=True)
+            # As the learner builds it (the agent's dataset), but waiting on the rate limiter for as long as it takes.
+            dataset = builder.make_dataset(address, rate_limiter_timeout_ms=-1)
             self.replay[address] = (wait_for_server(address, 30), dataset)
         return self.replay[address]
 
@@ -164,7 +164,6 @@ class _Worker:
         import jax.numpy as jnp
 
         from actorq_jax.agents.multi_step import multi_sgd_step, stack_batches
-        from actorq_jax.replay import update_priorities
 
         self.variants = {}  # frees the previous case's states before building this one
         start = time.perf_counter()
@@ -172,7 +171,7 @@ class _Worker:
         initial = builder.init_state(jax.random.PRNGKey(0))
         batch = _synthetic_batch(builder, seed=0)
         client, dataset = self._live(address, builder)
-        table = builder.replay_config().name
+        feedback = builder.priority_feedback()  # the learner's write-back (None: uniform replay)
 
         # FLOPs of the step as JAX lowers it, before XLA's passes: the same count under every XLA option
         # (the compiled count misses the dots the non-thunk runtime hands to Eigen).
@@ -194,9 +193,8 @@ class _Worker:
             def advance() -> Tuple[int, Any]:
                 sampled = next(dataset)
                 state_box[0], metrics = builder.sgd_step(state_box[0], sampled)
-                update = builder.priority_update(sampled, metrics)
-                if update is not None:
-                    update_priorities(client, table, update.keys, update.priorities)
+                if feedback is not None:
+                    feedback.write_back(client, sampled, metrics)
                 return 1, metrics
             return advance
 
@@ -325,15 +323,12 @@ def serve_replay(agent: str, items: int) -> Any:
     and the benchmark times sampling, not waiting for actors. It runs in this process, as the replay
     service runs beside the learner's, so the workers sample over gRPC.
     """
-    import numpy as np
-
-    from actorq_jax.replay import ReplayServer, make_replay_table, wait_for_server
+    from actorq_jax.replay import ReplayServer, wait_for_server
 
     builder = make_builder(agent, 8)  # the table does not depend on the network's size
     table = dataclasses.replace(builder.replay_config(), samples_per_insert=None, max_times_sampled=0,
                                 min_size=builder.batch_size, max_size=items + 1000)
-    example = np.zeros(builder.spec.observation_dim, np.float32)
-    server = ReplayServer([make_replay_table(table, example, builder.example_action())], advertised_host="127.0.0.1")
+    server = ReplayServer(builder.replay_tables(table), advertised_host="127.0.0.1")
     _fill(wait_for_server(server.address, 30), builder, items, seed=1)
     return server
 

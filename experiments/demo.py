@@ -1,6 +1,7 @@
 """The README's main job: a short ActorQ comparison, D4PG on cartpole_balance with 32-bit then 8-bit actors.
 
     python experiments/demo.py [--seconds_per_run 240] [--results_dir results/demo_<time>]
+    python experiments/demo.py --quick --seconds_per_run 60   # a smoke run: D4PG's registered quick preset
 
 Two runs, q=32 then q=8, in the setting where quantized actors make a run faster on a
 2-core machine (benchmarks/end_to_end.py, RESULTS.md): every process shares the cores
@@ -23,15 +24,17 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from actorq_jax.analysis.run_figures import measure_run  # noqa: E402  (after the path insert)
+from actorq_jax.agents.registry import get_agent  # noqa: E402  (after the path insert)
+from actorq_jax.analysis.run_figures import measure_run  # noqa: E402
 
+AGENT = "d4pg"
 TARGET = 900.0  # cartpole_balance returns reach about 1000; 900 is "balanced"
 RUN_FLAGS = [
     "--task", "cartpole_balance", "--num_actors", "2",
-    "--policy_layers", "256,256,256", "--critic_layers", "256,256",
     "--rate_limiter", "ratio", "--samples_per_insert", "4",
     "--eval_period", "500", "--eval_episodes", "1",
 ]
+NETWORKS = ["--policy_layers", "256,256,256", "--critic_layers", "256,256"]
 
 
 def _time(figures: dict) -> str:
@@ -61,14 +64,17 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds_per_run", type=float, default=240.0, help="wall-clock budget of each run")
     parser.add_argument("--results_dir", default=None, help="where the two runs go (default: results/demo_<time>)")
+    parser.add_argument("--quick", action="store_true",
+                        help="the agent's registered quick preset (small networks, short warm-up) for a smoke run")
     args = parser.parse_args(argv)
     if args.seconds_per_run <= 0:
         parser.error(f"--seconds_per_run must be > 0, got {args.seconds_per_run}")
     out = Path(args.results_dir or f"results/demo_{time.strftime('%Y%m%d-%H%M%S')}")
     figures = {}
     for bits in (32, 8):
-        run_dir = out / f"d4pg_cartpole_balance_q{bits}_s0"
-        cmd = [sys.executable, str(HERE / "run.py"), "--agent", "d4pg", *RUN_FLAGS,
+        run_dir = out / f"{AGENT}_cartpole_balance_q{bits}_s0"
+        cmd = [sys.executable, str(HERE / "run.py"), "--agent", AGENT, *RUN_FLAGS,
+               *(get_agent(AGENT).quick if args.quick else NETWORKS),
                "--actor_bits", str(bits), "--seed", "0", "--max_seconds", str(args.seconds_per_run),
                "--results_dir", str(run_dir)]
         print(f"demo: q={bits}: " + " ".join(cmd[1:]), flush=True)

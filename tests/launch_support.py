@@ -13,6 +13,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import psutil
 
+from actorq_jax.agents.registry import get_agent
 from actorq_jax.launch.placement import worker_env
 from actorq_jax.telemetry import read_csv
 
@@ -25,15 +26,9 @@ ENV = worker_env(SHARED_ENV)
 # needed). One token per process: Ray's client keeps the first token it reads, so every Ray test of a
 # process must use the same one.
 RAY_SETTINGS = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
-# A D4PG run small enough for 2 cores: tiny networks, a short warm-up, frequent publications and checkpoints.
-TINY = [
-    "--task", "cartpole_balance", "--policy_layers", "16,16", "--critic_layers", "32,32",
-    "--batch_size", "16", "--min_replay_size", "100", "--samples_per_insert", "4",
-    "--publish_period", "5", "--update_period", "50", "--eval_period", "50", "--checkpoint_period", "100",
-]
-
-# A DQN run as small: CartPole with a tiny Q-network and a short warm-up.
-TINY_DQN = ["--task", "CartPole-v1", "--q_layers", "16,16", "--batch_size", "16", "--min_replay_size", "100"]
+# The registered agents' tiny runs (small enough for 2 cores; each agent's registry entry says what they are).
+TINY = list(get_agent("d4pg").tiny)
+TINY_DQN = list(get_agent("dqn").tiny)
 
 
 def load_script(name: str) -> ModuleType:

@@ -1,6 +1,7 @@
 """The agent contract and registry: a new agent defined here runs through flags, config.json and the builder."""
 
 import dataclasses
+import sys
 from typing import Optional, Tuple
 
 import jax
@@ -243,3 +244,78 @@ def test_a_vector_policy_acts_for_k_environments_as_k_single_environment_actors(
                                    atol=1e-6, rtol=0)
     with pytest.raises(ValueError, match="envs_per_actor"):
         builder.vector_behaviour_policy(0, 1, 0)
+
+
+class _MutationLog:
+    """A Reverb client stand-in that records priority mutations."""
+
+    def __init__(self):
+        self.calls = []
+
+    def mutate_priorities(self, table, updates):
+        self.calls.append((table, dict(updates)))
+
+
+def test_priority_feedback_writes_back_raises_the_max_publishes_and_checkpoints_it():
+    from actorq_jax.agents.priorities import PriorityFeedback, PriorityUpdate
+
+    def compute(batch, metrics):
+        return PriorityUpdate(keys=batch.keys, priorities=np.asarray(metrics["priorities"]))
+
+    feedback, client = PriorityFeedback("replay", compute), _MutationLog()
+    assert feedback.meta() == feedback.counters() == {"max_priority": 1.0}
+    # A stacked multi-step batch: every step's priorities, later steps last (key 2 keeps 0.5).
+    batch = _batch(2)._replace(keys=np.array([[1, 2], [3, 2]], np.uint64))
+    feedback.write_back(client, batch, {"priorities": np.array([[3.0, 2.0], [0.25, 0.5]])})
+    assert client.calls == [("replay", {1: 3.0, 2: 0.5, 3: 0.25})]
+    assert feedback.meta() == {"max_priority": 3.0}
+    assert feedback.insertion_priority(feedback.meta()) == 3.0 and feedback.insertion_priority({}) is None
+    feedback.write_back(client, batch, {"priorities": np.full((2, 2), 0.1)})
+    assert feedback.max_priority == 3.0  # the largest so far, never lowered
+    resumed = PriorityFeedback("replay", compute)
+    resumed.restore({"learner_steps": 7, **feedback.counters()})
+    assert resumed.max_priority == 3.0
+    resumed.restore({"learner_steps": 7})  # a checkpoint without it leaves the value as it is
+    assert resumed.max_priority == 3.0
+
+
+def test_only_prioritized_agents_write_back_and_dqn_logs_no_per_item_priorities():
+    from actorq_jax.agents.priorities import PriorityFeedback
+
+    d4pg = runtime.make_builder("d4pg", D4PGConfig(policy_layers=(8,), critic_layers=(8,)),
+                                environment_spec(make_environment("cartpole_balance", seed=0)))
+    dqn = runtime.make_builder("dqn", DQNConfig(q_layers=(8,)), environment_spec(make_environment("CartPole-v1", seed=0)))
+    assert d4pg.priority_feedback() is None
+    assert isinstance(dqn.priority_feedback(), PriorityFeedback) and dqn.priority_feedback().table == "replay"
+    metrics = {"loss": np.array(2.0, np.float32), "priorities": np.arange(4.0)}
+    assert dqn.loggable_metrics(metrics) == {"loss": 2.0}
+    assert d4pg.loggable_metrics(metrics) == {"loss": 2.0, "priorities": 1.5}
+
+
+def test_registry_entries_carry_tiny_and_quick_presets_that_parse():
+    for name in ("d4pg", "dqn"):
+        entry = get_agent(name)
+        assert entry.tiny and entry.quick
+        run, _ = parse_run(name, [*entry.tiny, "--results_dir", "unused_results"])
+        assert run.task == entry.default_task
+        parse_run(name, [*entry.quick, "--results_dir", "unused_results"])
+    with pytest.raises(ValueError, match="tiny must be a tuple"):
+        AgentEntry(name="x", config_class=TinyConfig, builder=TinyBuilder, default_task="CartPole-v1",
+                   tiny=["--task", "CartPole-v1"])
+
+
+def test_modules_named_in_the_environment_register_agents_at_discovery(monkeypatch):
+    from actorq_jax.agents import registry
+
+    monkeypatch.setattr(registry, "_DISCOVERED", False)
+    monkeypatch.setenv(registry.AGENT_MODULES_ENV, " third_agent ,")  # tests/ is on the path of the test run
+    monkeypatch.delitem(sys.modules, "third_agent", raising=False)  # imported afresh, so it registers again
+    try:
+        assert "third" in agent_names()
+        assert get_agent("third").builder == "third_agent:ThirdBuilder"
+    finally:
+        unregister_agent("third")
+    monkeypatch.setattr(registry, "_DISCOVERED", False)
+    monkeypatch.setenv(registry.AGENT_MODULES_ENV, "no_such_agent_module")
+    with pytest.raises(ImportError, match="ACTORQ_AGENT_MODULES names module 'no_such_agent_module'"):
+        agent_names()

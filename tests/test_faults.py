@@ -4,11 +4,13 @@ its workers with it, remote actors leave a dead learner with one clear line, bad
 Real launchers, learners, actors and Reverb servers on localhost; each test bounded by pytest-timeout.
 """
 
+import dataclasses
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -33,6 +35,7 @@ from service_support import dqn_service_learner_actor
 from actorq_jax.launch import runtime
 from actorq_jax.launch.actor import fetch_config
 from actorq_jax.launch.checkpoint import read_counters
+from actorq_jax.launch.learner import Learner
 from actorq_jax.replay import ReplayServer, make_variables_table
 from actorq_jax.replay.server import checkpoint_items, checkpoint_table_size
 from actorq_jax.replay.variables import insert_wire
@@ -252,13 +255,27 @@ def test_new_dqn_items_are_sampled_at_the_max_priority(tmp_path):
             pass
         for _ in range(4):
             learner.step()
-        assert learner.max_priority > 1.0  # the TD errors of a fresh network on CartPole's rewards
+        assert learner.feedback.max_priority > 1.0  # the TD errors of a fresh network on CartPole's rewards
         learner.publish()  # the actors learn the max priority with the parameters
         assert learner.publisher.flush(timeout_s=60)
         actor.variables.update(wait=True)
-        assert actor.variables.meta == {"max_priority": learner.max_priority}
+        assert actor.variables.meta == {"max_priority": learner.feedback.max_priority}
         actor.run_episode()
         items = checkpoint_items(checkpoints, service.server.checkpoint("after"), "replay")
         new = {key: priority for key, priority in items.items() if key not in old}
         assert len(old) >= 60 and new
-        assert set(np.float32(list(new.values()))) == {np.float32(learner.max_priority)}
+        assert set(np.float32(list(new.values()))) == {np.float32(learner.feedback.max_priority)}
+        # The learner's checkpoint keeps it, and a learner restarted from that checkpoint goes on from it.
+        stop = threading.Event()
+        service.serve_in_thread(stop)  # answers the learner's checkpoint request
+        try:
+            assert learner.checkpoint()
+        finally:
+            stop.set()
+        assert read_counters(tmp_path / "checkpoints")["max_priority"] == learner.feedback.max_priority
+        restarted = Learner(learner.builder, dataclasses.replace(learner.run, resume=True), tmp_path, learner.address)
+        try:
+            assert restarted.steps == learner.steps and restarted.feedback.max_priority == learner.feedback.max_priority
+        finally:
+            restarted.publisher.close()
+            restarted.checkpointer.close()

@@ -222,7 +222,7 @@ def test_a_learner_of_several_steps_per_call_trains_and_writes_back_every_priori
             metrics = learner.step()
         # One call made four steps; the metrics are the last step's (a batch of priorities, one per item).
         assert learner.steps == 4 and np.shape(metrics["priorities"]) == (16,)
-        assert learner.max_priority > 1.0
+        assert learner.feedback.max_priority > 1.0
         learner.step()
         assert learner.steps == 8
 

@@ -4,19 +4,29 @@ An agent is one folder under `actorq_jax/agents/` holding a frozen config
 dataclass, a builder that subclasses `AgentBuilder`, and a `register_agent`
 call in its `__init__.py` (see `actorq_jax.agents.registry`). Nothing in
 `launch/` knows an agent by name: it reads the registry and calls only what
-this class declares.
+this class declares, data path included (the replay tables and their item
+signature, the adder actors write with, the dataset the learner reads, the
+metrics it logs, and the priorities written back).
 """
 
 import abc
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Protocol, Tuple
 
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from actorq_jax.agents.priorities import PriorityFeedback, PriorityUpdate
 from actorq_jax.environments import EnvironmentSpec
-from actorq_jax.replay import ReplayBatch, ReplayTableConfig
+from actorq_jax.replay import (
+    NStepAdder,
+    ReplayBatch,
+    ReplayDataset,
+    ReplayTableConfig,
+    make_item_table,
+    transition_signature,
+)
 
 Metrics = Dict[str, jnp.ndarray]
 # `sgd_step(state, batch) -> (state, metrics)`: pure, jitted where it matters; state is a pytree.
@@ -53,11 +63,27 @@ class AdderConfig(NamedTuple):
     discount: float
 
 
-class PriorityUpdate(NamedTuple):
-    """New priorities for sampled items (keys as in ReplayBatch.keys)."""
+class Adder(Protocol):
+    """What an actor writes one environment's steps with (launch/actor.py calls only this).
 
-    keys: np.ndarray
-    priorities: np.ndarray
+    A write the server does not confirm within `timeout_s` raises replay.WriteTimeout (the items stay
+    queued: `wait` waits for them again); a broken stream raises RuntimeError or ConnectionError.
+    """
+
+    timeout_s: Optional[float]
+    wait_s: float  # seconds spent blocked until the server took the items (the rate limiter's hold)
+
+    def add_first(self, timestep: Any) -> None:
+        """Starts an episode at a FIRST timestep."""
+
+    def add(self, action: Any, next_timestep: Any, priority: Optional[float] = None) -> None:
+        """Records an action and the timestep it led to (new items at `priority`, None: the adder's default)."""
+
+    def wait(self, timeout_s: Optional[float] = None) -> None:
+        """Blocks until few enough items await the server (WriteTimeout past `timeout_s`)."""
+
+    def close(self, flush: bool = True, timeout_s: Optional[float] = None) -> None:
+        """Flushes created items (unless flush=False) and closes the stream."""
 
 
 class AgentBuilder(abc.ABC):
@@ -93,6 +119,17 @@ class AgentBuilder(abc.ABC):
         del batch, metrics
         return None
 
+    def priority_feedback(self) -> Optional[PriorityFeedback]:
+        """The write-back loop of a prioritized table (priority_update's priorities, new items at the largest);
+        None for uniform replay. The learner and every actor each make their own."""
+        if not self.prioritized:
+            return None
+        return PriorityFeedback(self.replay_config().name, self.priority_update)
+
+    def loggable_metrics(self, metrics: Metrics) -> Dict[str, float]:
+        """The learner.csv columns of a step's metrics: each metric's mean."""
+        return {k: float(np.mean(v)) for k, v in jax.device_get(metrics).items()}
+
     @property
     def batch_size(self) -> int:
         """Transitions per SGD step."""
@@ -126,6 +163,27 @@ class AgentBuilder(abc.ABC):
     @abc.abstractmethod
     def example_action(self) -> np.ndarray:
         """An action with the replay table's dtype and shape."""
+
+    def item_signature(self) -> Dict[str, Any]:
+        """The replay items' signature (field -> tf.TensorSpec): an n-step Transition of this task."""
+        return transition_signature(np.zeros((self.spec.observation_dim,), np.float32), self.example_action())
+
+    def replay_tables(self, config: Optional[ReplayTableConfig] = None) -> List[Any]:
+        """The Reverb tables of replay on the run's server: replay_config()'s (or `config`'s) of item_signature()."""
+        return [make_item_table(config or self.replay_config(), self.item_signature())]
+
+    def make_adder(self, client: Any, timeout_s: Optional[float], connect_timeout_s: float) -> Adder:
+        """What one environment of an actor writes with, through a Reverb client: an n-step adder."""
+        config = self.adder_config()
+        return NStepAdder(client, config.table, config.n_step, config.discount, timeout_s=timeout_s,
+                          connect_timeout_s=connect_timeout_s)
+
+    def make_dataset(self, address: str, rate_limiter_timeout_ms: int) -> Iterator[Any]:
+        """The batches sgd_step takes, sampled from the replay service at `address` (StopIteration once the
+        rate limiter held a sample for `rate_limiter_timeout_ms`, tf.errors.OpError when the service went away):
+        ReplayBatches of n-step Transitions."""
+        return ReplayDataset(address, self.replay_config().name, self.batch_size, with_info=True,
+                             rate_limiter_timeout_ms=rate_limiter_timeout_ms)
 
     # -- actors and evaluator -------------------------------------------------------------
 

@@ -7,15 +7,24 @@ name through this module, which imports no JAX: builders are named as
 A new agent is a folder `actorq_jax/agents/<name>/` whose `__init__.py` calls
 `register_agent(AgentEntry(...))`; every sub-package of `actorq_jax.agents` is
 imported on the first lookup, so nothing else needs editing.
+
+An agent outside the package (a plugin, or a test's own agent) is a module that
+calls `register_agent` when imported, named in the environment variable
+ACTORQ_AGENT_MODULES (comma-separated module names, importable on the
+process's path). The first lookup imports those too, and the launcher's
+worker processes inherit the environment, so every process of a run finds it.
 """
 
 import dataclasses
 import importlib
+import os
 import pkgutil
 from typing import Any, Callable, Dict, Tuple, Union
 
 _AGENTS: Dict[str, "AgentEntry"] = {}
 _DISCOVERED = False
+# Modules outside actorq_jax.agents that register agents when imported (comma-separated).
+AGENT_MODULES_ENV = "ACTORQ_AGENT_MODULES"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +36,12 @@ class AgentEntry:
     builder: Union[str, Callable[..., Any]]  # "package.module:Class", or the class; called as builder(config, spec)
     default_task: str  # the --task default
     description: str = ""  # one line for --help
+    # Run flags of the smallest run that still exercises every part (warm-up, learning, publication, evaluation,
+    # checkpoints): what tests start.
+    tiny: Tuple[str, ...] = ()
+    # Run flags of a short but meaningful run (small networks, short warm-up): what the --quick smoke runs of the
+    # demo and benchmarks start; no --task (they choose it).
+    quick: Tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.isidentifier():
@@ -35,6 +50,10 @@ class AgentEntry:
             raise ValueError(f"agent {self.name!r}: config_class must be a dataclass, got {self.config_class!r}")
         if isinstance(self.builder, str) and ":" not in self.builder:
             raise ValueError(f"agent {self.name!r}: builder must be 'module:Class', got {self.builder!r}")
+        for preset in ("tiny", "quick"):
+            flags = getattr(self, preset)
+            if not isinstance(flags, tuple) or not all(isinstance(f, str) for f in flags):
+                raise ValueError(f"agent {self.name!r}: {preset} must be a tuple of flag strings, got {flags!r}")
 
     def builder_class(self) -> Callable[..., Any]:
         """The builder class (imported on first use)."""
@@ -75,6 +94,11 @@ def _discover() -> None:
     for module in pkgutil.iter_modules(package.__path__):
         if module.ispkg:
             importlib.import_module(f"{package.__name__}.{module.name}")
+    for name in filter(None, (n.strip() for n in os.environ.get(AGENT_MODULES_ENV, "").split(","))):
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as error:
+            raise ImportError(f"{AGENT_MODULES_ENV} names module {name!r}, which cannot be imported: {error}") from error
 
 
 def agent_names() -> Tuple[str, ...]:

@@ -1,7 +1,7 @@
-"""The actor process: runs a quantized policy in an environment and writes n-step transitions to replay.
+"""The actor process: runs a quantized policy in an environment and writes the agent's replay items.
 
 An actor steps --envs_per_actor environments in lockstep (one batched policy call
-per step, one n-step adder stream per environment; see launch/vector_env.py).
+per step, one adder stream per environment, made by the agent's builder; see launch/vector_env.py).
 
 Remote actors join a running run from another machine:
 
@@ -107,7 +107,7 @@ class Actor:
     """One actor: its K environments (--envs_per_actor), jitted batched policy, K adders and variable client.
 
     Each actor step is one policy call on the K observations, K environment steps and K adder writes;
-    environment k has its own n-step adder stream, and its episodes end and restart on their own.
+    environment k has its own adder stream, and its episodes end and restart on their own.
     """
 
     def __init__(self, run: Any, agent_config: Any, actor_id: int, address: str, stop: threading.Event,
@@ -123,6 +123,7 @@ class Actor:
         self.builder = runtime.make_builder(run.agent, agent_config, environment_spec(self.envs.envs[0]))
         self.act = vector_env.make_vector_act(
             self.builder.vector_behaviour_policy(actor_id, run.num_actors, envs_per_actor))
+        self.feedback = self.builder.priority_feedback()  # None: items enter at the adder's own priority
         precision = ActorPrecision(run.actor_bits, run.wire_bits, run.granularity, run.actor_backend, run.int8_mode)
         if resolve_backend(precision) == "int8":
             from actorq_jax import kernels
@@ -168,11 +169,8 @@ class Actor:
     def _new_adder(self) -> Any:
         import reverb
 
-        from actorq_jax.replay import NStepAdder
-
-        config = self.builder.adder_config()
-        return NStepAdder(reverb.Client(self.address), config.table, config.n_step, config.discount,
-                          timeout_s=min(WRITE_TIMEOUT_S, self.link.timeout_s), connect_timeout_s=self.link.timeout_s)
+        return self.builder.make_adder(reverb.Client(self.address), timeout_s=min(WRITE_TIMEOUT_S, self.link.timeout_s),
+                                       connect_timeout_s=self.link.timeout_s)
 
     def _write(self, k: int, call: Callable[[Any], None]) -> bool:
         """Runs one call on environment k's adder; False when the episodes had to be abandoned (the server
@@ -257,8 +255,8 @@ class Actor:
             timesteps = self.envs.step(actions)
         with self.timer.phase("adder"):
             waited = sum(a.wait_s for a in self.adders)
-            # Prioritized replay: new items enter at the largest priority the learner has written back.
-            priority = self.variables.meta.get("max_priority")
+            # Prioritized replay: new items enter where the learner's published feedback says.
+            priority = self.feedback.insertion_priority(self.variables.meta) if self.feedback else None
             written = all(self._write(k, lambda a: a.add(actions[k], timesteps[k], priority))  # noqa: B023
                           for k in range(len(self.envs)))
             # A reconnect replaces the adders (their waits start again at 0): count no negative wait.
@@ -326,7 +324,7 @@ def run_actor(
     forwarder: Optional["RowForwarder"] = None,
     takeover_id: bool = False,
 ) -> int:
-    """Actor main loop: lease the id, act, write transitions, log each episode (and send it with `forwarder`);
+    """Actor main loop: lease the id, act, write replay items, log each episode (and send it with `forwarder`);
     0, EXIT_ID_TAKEN when another actor holds the id, or EXIT_SERVER_GONE when the replay service left.
 
     `takeover_id`: the launcher's own actors take their slot's lease over (a restart replaces a dead holder).

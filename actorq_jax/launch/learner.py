@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import jax
-import numpy as np
 import reverb
 
 from actorq_jax.environments import environment_spec, make_environment
@@ -32,11 +31,7 @@ from actorq_jax.launch.config import RunConfig
 from actorq_jax.launch.replay_service import ServiceClient, ServiceError
 from actorq_jax.launch.run_rows import drop_rows_after, row_log
 from actorq_jax.quantization import QuantConfig
-from actorq_jax.replay import (
-    ReplayDataset,
-    VariablePublisher,
-    update_priorities,
-)
+from actorq_jax.replay import VariablePublisher
 from actorq_jax.replay.background import BackgroundPublisher, PublishTotals
 from actorq_jax.replay.server import wait_for_server
 from actorq_jax.run_dir import RunDir
@@ -80,8 +75,11 @@ class Learner:
         # The launcher may start the learner beside a service that is still starting: wait as for a start.
         self.client = wait_for_server(address, max(run.server_timeout_s, SERVICE_START_TIMEOUT_S))
         self.service = ServiceClient(self.client, run.server_timeout_s)
-        # Prioritized replay inserts new items at the largest priority written back so far.
-        self.max_priority = float(counters.get("max_priority", 1.0))
+        # What the learner writes back to replay after each step (None: nothing, uniform replay); it goes on
+        # from the checkpoint, and tells actors through the variables' meta where new items enter.
+        self.feedback = builder.priority_feedback()
+        if self.feedback is not None:
+            self.feedback.restore(counters)
         wire = QuantConfig(bits=run.wire_bits, granularity=run.granularity)
         # Quantize, serialize and insert run off the SGD path (the actors' table, then the evaluator's).
         self.publisher = BackgroundPublisher([
@@ -89,7 +87,7 @@ class Learner:
             VariablePublisher(self.client, runtime.EVAL_VARIABLES_TABLE, QuantConfig(bits=32)),
         ])
         self.last_publish = time.monotonic()
-        self._dataset: Optional[ReplayDataset] = None
+        self._dataset: Optional[Any] = None
         self._multi_step = None
         self._batches: List[Any] = []  # batches of the next multi-step call sampled so far
         if run.sgd_steps_per_call > 1:
@@ -149,7 +147,7 @@ class Learner:
         self.last_publish = time.monotonic()
         # JAX arrays are immutable, so the publisher thread may read them while SGD goes on.
         self.publisher.submit(self.builder.actor_params(self.state), self.steps, evaluation=evaluation,
-                              meta={"max_priority": self.max_priority})
+                              meta=self.feedback.meta() if self.feedback is not None else None)
 
     def publish_due(self) -> bool:
         """Whether the publication period (in SGD steps, or seconds with publish_period_s) has come round."""
@@ -180,7 +178,7 @@ class Learner:
             log.warning("no checkpoint at step %d: the replay service could not write one (%s)", self.steps, error)
             return False
         counters = {"env_steps": self.env_steps(max_age_s=0.0), "learner_steps": self.steps,
-                    "max_priority": self.max_priority, "replay_checkpoint": name}
+                    "replay_checkpoint": name, **(self.feedback.counters() if self.feedback is not None else {})}
         self.checkpointer.save(self.steps, self.state, counters)
         return True
 
@@ -205,15 +203,12 @@ class Learner:
             batch = stack_batches(self._batches)
             self.state, metrics = self._multi_step(self.state, batch)
         self._batches = []
-        update = self.builder.priority_update(batch, metrics)
-        if update is not None:
+        if self.feedback is not None:
             try:
-                # A multi-step call writes back every step's priorities, later steps last.
-                update_priorities(self.client, self.replay_table, np.ravel(update.keys), np.ravel(update.priorities))
+                self.feedback.write_back(self.client, batch, metrics)
             except SERVICE_ERRORS as error:
                 # Those items went with a service that restarted from its checkpoint.
-                log.warning("priority update lost: %s", error)
-            self.max_priority = max(self.max_priority, float(np.max(update.priorities)))
+                log.warning("write-back to replay lost: %s", error)
         return metrics if self._multi_step is None else last_step_metrics(metrics)
 
     def _next_batch(self) -> Any:
@@ -221,13 +216,7 @@ class Learner:
         import tensorflow as tf
 
         if self._dataset is None:
-            self._dataset = ReplayDataset(
-                self.address,
-                self.replay_table,
-                self.builder.config.batch_size,
-                with_info=True,  # the agent contract's sgd_step takes a ReplayBatch
-                rate_limiter_timeout_ms=SAMPLE_TIMEOUT_MS,
-            )
+            self._dataset = self.builder.make_dataset(self.address, rate_limiter_timeout_ms=SAMPLE_TIMEOUT_MS)
         try:
             return next(self._dataset)
         except StopIteration:
@@ -250,10 +239,10 @@ class LearnerLog:
         self._last = (time.monotonic(), first_step, time.thread_time())
         self._last_totals = PublishTotals(0, 0, 0, 0.0, -1, 0)
 
-    def write(self, steps: int, env_steps: int, metrics: Dict[str, Any], totals: PublishTotals) -> None:
-        """Writes the row of learner step `steps`."""
+    def write(self, steps: int, env_steps: int, metrics: Dict[str, float], totals: PublishTotals) -> None:
+        """Writes the row of learner step `steps` (`metrics`: the agent's loggable ones)."""
         now = time.monotonic()
-        row = {k: float(np.mean(v)) for k, v in jax.device_get(metrics).items() if k != "priorities"}
+        row = dict(metrics)
         if self._logger is None:
             fields = ["learner_steps", "wall_seconds", "env_steps", "sgd_steps_per_s", "cpu_s_per_step", "publish_s",
                       "publish_bytes", "versions_published", "versions_dropped"]
@@ -358,7 +347,7 @@ def _after_step(learner: Learner, csv_log: LearnerLog, metrics: Dict[str, Any]) 
     # The row before the checkpoint: a checkpoint at step N then implies row N is on disk, so a learner
     # killed right after it (and restored to it) never loses the rows its checkpoint accounts for.
     if log_row:
-        csv_log.write(steps, learner.env_steps(), metrics, learner.publisher.totals())
+        csv_log.write(steps, learner.env_steps(), learner.builder.loggable_metrics(metrics), learner.publisher.totals())
     if checkpoint:
         learner.checkpoint()
 

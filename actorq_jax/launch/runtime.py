@@ -183,17 +183,15 @@ def make_builder(agent: str, config: Any, spec: Any) -> Any:
 
 
 def service_tables(builder: Any, replay: Any = None) -> list:
-    """The data tables of a run's Reverb server: replay (the builder's, unless given), variables, eval variables,
-    config, the remote actors' episode rows, and (under Ray) the learner's and evaluator's rows."""
-    import numpy as np
-
+    """The data tables of a run's Reverb server: the builder's replay tables (of table config `replay` when given),
+    variables, eval variables, config, the remote actors' episode rows, and (under Ray) the learner's and
+    evaluator's rows."""
     from actorq_jax.launch.actor_rows import make_actor_rows_tables
     from actorq_jax.launch.run_rows import make_run_rows_table
-    from actorq_jax.replay import make_replay_table, make_variables_table
+    from actorq_jax.replay import make_variables_table
 
-    observation = np.zeros((builder.spec.observation_dim,), np.float32)
     return [
-        make_replay_table(replay or builder.replay_config(), observation, builder.example_action()),
+        *builder.replay_tables(replay),
         make_variables_table(VARIABLES_TABLE),
         make_variables_table(EVAL_VARIABLES_TABLE),
         make_variables_table(CONFIG_TABLE),

@@ -13,7 +13,13 @@ NStepAdder(client, cfg.name, n, gamma) to write, VariableClient(address, ...) to
 from actorq_jax.replay.adder import NStepAdder, WriteTimeout
 from actorq_jax.replay.dataset import ReplayBatch, ReplayDataset, update_priorities
 from actorq_jax.replay.server import ReplayServer, parse_address, wait_for_server
-from actorq_jax.replay.tables import ReplayTableConfig, make_replay_table, make_variables_table, transition_signature
+from actorq_jax.replay.tables import (
+    ReplayTableConfig,
+    make_item_table,
+    make_replay_table,
+    make_variables_table,
+    transition_signature,
+)
 from actorq_jax.replay.types import Transition
 from actorq_jax.replay.variables import (
     PayloadRejected,
@@ -25,7 +31,7 @@ from actorq_jax.replay.variables import (
 
 __all__ = [
     "NStepAdder", "PayloadRejected", "PublishStats", "RefreshTiming", "ReplayBatch", "ReplayDataset", "ReplayServer",
-    "ReplayTableConfig", "Transition", "VariableClient", "VariablePublisher", "make_replay_table",
+    "ReplayTableConfig", "Transition", "VariableClient", "VariablePublisher", "make_item_table", "make_replay_table",
     "make_variables_table", "parse_address", "transition_signature", "update_priorities",
     "wait_for_server", "WriteTimeout",
 ]

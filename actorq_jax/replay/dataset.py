@@ -1,9 +1,9 @@
-"""The learner's side of replay: batches of Transitions, and writing priorities back."""
+"""The learner's side of replay: batches of Transitions (or another item type), and writing priorities back."""
 
 from __future__ import annotations
 
 import math
-from typing import Iterator, NamedTuple, Optional, Sequence, Union
+from typing import Any, Iterator, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 import reverb
@@ -15,14 +15,14 @@ from actorq_jax.replay.types import Transition
 class ReplayBatch(NamedTuple):
     """A batch with its sampling info (from ReplayDataset(with_info=True)).
 
-    data: Transition of arrays stacked on a leading batch axis.
+    data: Transition (or the dataset's item type) of arrays stacked on a leading batch axis.
     keys: uint64 [B] item keys, for update_priorities.
     probabilities: float64 [B] probability each item had of being sampled.
     table_size: int64 [B] table size when each item was sampled (for IS weights:
       w = (table_size * probability) ** -beta, normalised by its max).
     """
 
-    data: Transition
+    data: Any
     keys: np.ndarray
     probabilities: np.ndarray
     table_size: np.ndarray
@@ -31,6 +31,8 @@ class ReplayBatch(NamedTuple):
 class ReplayDataset:
     """An iterator of batches (Transition of numpy arrays, or ReplayBatch with_info) from a table.
 
+    `item_type` is the NamedTuple the table's items fill, field by field (default: the n-step
+    Transition); the table's signature must have exactly its fields.
     Built on reverb.TrajectoryDataset (TF) from the table's signature, batched with
     drop_remainder and prefetched. `max_in_flight_samples` (default 2 * batch_size)
     is how many samples each worker requests at once. `rate_limiter_timeout_ms` >= 0 ends the iteration
@@ -41,7 +43,7 @@ class ReplayDataset:
     def __init__(self, address: str, table: str, batch_size: int, prefetch: int = 2,
                  with_info: bool = False, num_workers: int = -1,
                  rate_limiter_timeout_ms: int = -1, connect_timeout_s: float = 30.0,
-                 max_in_flight_samples: Optional[int] = None):
+                 max_in_flight_samples: Optional[int] = None, item_type: Any = Transition):
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got batch_size={batch_size!r}")
         if not isinstance(prefetch, int) or prefetch < 0:
@@ -51,14 +53,15 @@ class ReplayDataset:
         if table not in infos:
             raise ValueError(f"table {table!r} not found on {address}; tables: {sorted(infos)}")
         signature = infos[table].signature
-        if not signature or set(signature) != set(Transition._fields):
+        if not signature or set(signature) != set(item_type._fields):
             raise ValueError(
-                f"table {table!r} on {address} has no Transition signature (got {signature!r}); "
-                f"build it with make_replay_table")
+                f"table {table!r} on {address} has no {item_type.__name__} signature (got {signature!r}); "
+                f"build it with make_replay_table, or make_item_table for another item type")
         self.address = address
         self.table = table
         self.batch_size = batch_size
         self.with_info = with_info
+        self.item_type = item_type
         dataset = reverb.TrajectoryDataset(
             server_address=address,
             table=table,
@@ -78,7 +81,7 @@ class ReplayDataset:
 
     def __next__(self) -> Union[Transition, ReplayBatch]:
         sample = next(self._iterator)
-        data = Transition(**{name: sample.data[name] for name in Transition._fields})
+        data = self.item_type(**{name: sample.data[name] for name in self.item_type._fields})
         if not self.with_info:
             return data
         return ReplayBatch(data=data, keys=sample.info.key, probabilities=sample.info.probability,

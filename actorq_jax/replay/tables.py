@@ -108,6 +108,11 @@ def transition_signature(observation_example: np.ndarray,
 def make_replay_table(config: ReplayTableConfig, observation_example: np.ndarray,
                       action_example: np.ndarray) -> reverb.Table:
     """A replay table of n-step Transitions: uniform (or prioritized) sampling, FIFO removal."""
+    return make_item_table(config, transition_signature(observation_example, action_example))
+
+
+def make_item_table(config: ReplayTableConfig, signature: Dict[str, tf.TensorSpec]) -> reverb.Table:
+    """A replay table of items with `signature` (field -> spec): uniform (or prioritized) sampling, FIFO removal."""
     if config.prioritized:
         sampler = reverb.selectors.Prioritized(config.priority_exponent)
     else:
@@ -119,7 +124,7 @@ def make_replay_table(config: ReplayTableConfig, observation_example: np.ndarray
         max_size=config.max_size,
         max_times_sampled=config.max_times_sampled,
         rate_limiter=config.rate_limiter(),
-        signature=transition_signature(observation_example, action_example))
+        signature=signature)
 
 
 def make_variables_table(name: str = "variables") -> reverb.Table:

@@ -9,6 +9,9 @@ register_agent(AgentEntry(
     builder="actorq_jax.agents.dqn.builder:DQNBuilder",
     default_task="CartPole-v1",
     description="Runs DQN with quantized actors: learner + prioritized Reverb replay, N actors and an evaluator.",
+    # CartPole with a tiny Q-network and a short warm-up.
+    tiny=("--task", "CartPole-v1", "--q_layers", "16,16", "--batch_size", "16", "--min_replay_size", "100"),
+    quick=("--q_layers", "16,16", "--batch_size", "16", "--min_replay_size", "100"),
 ))
 
 __all__ = ["DQNConfig"]

@@ -1,6 +1,6 @@
 """Assembles DQN for the shared launcher: prioritized replay table, learner step, actor and evaluation policies."""
 
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import chex
 import numpy as np
@@ -49,6 +49,10 @@ class DQNBuilder(AgentBuilder):
     def priority_update(self, batch: ReplayBatch, metrics: Metrics) -> Optional[PriorityUpdate]:
         """The sampled items' new priorities: their |TD errors|."""
         return PriorityUpdate(keys=np.asarray(batch.keys), priorities=np.asarray(metrics["priorities"]))
+
+    def loggable_metrics(self, metrics: Metrics) -> Dict[str, float]:
+        """The means of the step's metrics but the per-item priorities (written back, not logged)."""
+        return super().loggable_metrics({k: v for k, v in metrics.items() if k != "priorities"})
 
     def actor_params(self, state: learning.TrainingState) -> chex.ArrayTree:
         """The parameters actors and evaluators run: the online Q-network's."""
