@@ -78,8 +78,27 @@ def render_rq2(study_dir: Path, figures_dir: Path, figure_link: str) -> str:
     return "\n".join(lines)
 
 
+def render_rq4(study_dir: Path, figures_dir: Path, figure_link: str) -> str:
+    """RQ4's table (where actor and learner time goes, per layout, regime and bits) and figure from a record set."""
+    from actorq_jax.analysis.time_split import plot_time_split, time_split, time_split_markdown
+
+    sweep = analysis.load_sweep(study_dir)
+    table = time_split(sweep.runs, sweep.actors, sweep.learner)
+    lines = _provenance(study_dir, int(sweep.runs["complete"].sum()))
+    lines += ["", time_split_markdown(table), ""]
+    lines.append("Actor phases: ms of wall time per env step, mean over runs; in brackets the actor process's CPU "
+                 "per env step. Learner: ms of wall time per SGD step after its first log row, in brackets its "
+                 "process's CPU per step. \"-\": the run's timers took one thread's CPU only (before the process "
+                 "clock), which misses XLA's compute threads. Bound by: the summed actor phases (the rate limiter "
+                 "above 30% of actor time means the learner bounds the run).")
+    if not table.empty:
+        analysis.save_figure(plot_time_split(table), figures_dir / "rq4_time_split.png")
+        lines += ["", f"![where actor and learner time goes]({figure_link}rq4_time_split.png)"]
+    return "\n".join(lines)
+
+
 # Study name -> its renderer. A study under results/records without one is listed, not rendered.
-STUDIES: Dict[str, Callable[[Path, Path, str], str]] = {"rq2": render_rq2}
+STUDIES: Dict[str, Callable[[Path, Path, str], str]] = {"rq2": render_rq2, "rq4": render_rq4}
 
 
 def replace_block(text: str, study: str, block: str) -> str:

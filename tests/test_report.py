@@ -167,3 +167,8 @@ def test_collect_records_finished_runs_without_checkpoints_or_logs(tmp_path):
     assert (record / "eval.csv").read_text().endswith("40,4000,400,fp32,32,0,1000,0\n")
     with pytest.raises(ValueError, match="plain folder name"):
         analysis.collect(sweep, tmp_path / "records", "../elsewhere")
+    # One run of a sweep collected on its own is recorded under its sweep, with the sweep's command.
+    assert [p.name for p in analysis.collect(finished, tmp_path / "records", "rq4")] == [finished.name]
+    source = analysis.read_study(tmp_path / "records" / "rq4")["sources"]
+    assert list(source) == ["sweep"] and source["sweep"]["command"] == "python experiments/sweep.py"
+    assert source["sweep"]["runs_collected"] == [finished.name]

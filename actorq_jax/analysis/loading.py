@@ -27,10 +27,10 @@ SWEEP_INDEX = "sweep.json"
 
 # Columns every runs frame has, so empty or partial sweeps still slice and aggregate.
 RUN_COLUMNS = (
-    "run", "run_dir", "agent", "task", "bits", "comm_bits", "seed", "num_actors", "granularity",
+    "run", "run_dir", "agent", "task", "bits", "comm_bits", "seed", "num_actors", "layout", "regime", "granularity",
     "actor_backend", "complete", "exit_code", "wall_seconds", "env_steps", "learner_steps",
     "env_steps_per_second", "energy_kwh", "emissions_kg", "final_eval_return", "best_eval_return",
-    "final_eval_return_actor_policy", "best_eval_return_actor_policy", "actor_episodes",
+    "final_eval_return_actor_policy", "best_eval_return_actor_policy", "actor_episodes", "cpu_clock",
 ) + tuple(f"actor_{p}_s" for p in PHASES)
 # Run metadata copied onto every row of the per-run streams.
 META_COLUMNS = ("run", "task", "bits", "seed")
@@ -71,11 +71,21 @@ def _nan_if_none(value: Any) -> Any:
     return math.nan if value is None else value
 
 
+def _regime(agent: Dict[str, Any]) -> str:
+    """The replay regime in a few words: "ratio 8" (samples per insert) or "min_size 8" (max times sampled)."""
+    limiter = agent.get("rate_limiter")
+    if limiter == "ratio":
+        return f"ratio {agent.get('samples_per_insert', math.nan):g}"
+    if limiter == "min_size":
+        return f"min_size {agent.get('max_times_sampled', '?')}"
+    return str(limiter or "unknown")
+
+
 def read_run(run_dir: PathLike) -> Dict[str, Any]:
     """One row describing a run: its configuration and, when it finished, its summary."""
     path = Path(run_dir)
     config = _read_json(RunDir(path).config)
-    run = config.get("run", {})
+    run, agent = config.get("run", {}), config.get("agent", {})
     comm_bits = run.get("comm_bits")
     row: Dict[str, Any] = {column: math.nan for column in RUN_COLUMNS}
     row.update({
@@ -87,6 +97,8 @@ def read_run(run_dir: PathLike) -> Dict[str, Any]:
         "comm_bits": int(run["actor_bits"] if comm_bits is None else comm_bits),
         "seed": int(run.get("seed", 0)),
         "num_actors": run.get("num_actors"),
+        "layout": run.get("layout", "shared"),  # runs from before --layout shared every core
+        "regime": _regime(agent),
         "granularity": run.get("granularity"),
         "actor_backend": run.get("actor_backend"),
         "complete": False,
@@ -97,7 +109,7 @@ def read_run(run_dir: PathLike) -> Dict[str, Any]:
         row["complete"] = True
         for key in ("exit_code", "wall_seconds", "env_steps", "learner_steps", "env_steps_per_second",
                     "energy_kwh", "emissions_kg", "final_eval_return", "best_eval_return",
-                    "final_eval_return_actor_policy", "best_eval_return_actor_policy", "actor_episodes"):
+                    "final_eval_return_actor_policy", "best_eval_return_actor_policy", "actor_episodes", "cpu_clock"):
             if key in summary:
                 row[key] = _nan_if_none(summary[key])
         for phase, seconds in (summary.get("actor_time_s") or {}).items():

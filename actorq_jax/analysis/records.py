@@ -19,7 +19,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Dict, List, Union
 
-from actorq_jax.analysis.loading import SWEEP_INDEX, find_run_dirs
+from actorq_jax.analysis.loading import SWEEP_INDEX, find_run_dirs, is_run_dir
 from actorq_jax.run_dir import RunDir
 from actorq_jax.telemetry.machine import cpu_model
 
@@ -71,19 +71,22 @@ def collect(source: PathLike, records_root: PathLike, study: str) -> List[Path]:
             (target / relative).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(run_dir / relative, target / relative)
         written.append(target)
-    sweep_index = _read_index(src / SWEEP_INDEX)
+    # One run of a sweep, collected on its own, is recorded under its sweep (its command is the sweep's).
+    home = src.parent if is_run_dir(src) and (src.parent / SWEEP_INDEX).is_file() else src
+    sweep_index = _read_index(home / SWEEP_INDEX)
     if sweep_index:
         (out / "sweeps").mkdir(exist_ok=True)
-        shutil.copyfile(src / SWEEP_INDEX, out / "sweeps" / f"{src.name}.json")
+        shutil.copyfile(home / SWEEP_INDEX, out / "sweeps" / f"{home.name}.json")
     index_path = out / STUDY_INDEX
     index = _read_index(index_path)
     index.setdefault("study", study)
     index.setdefault("sources", {})
-    index["sources"][src.name] = {
+    earlier = index["sources"].get(home.name, {}).get("runs_collected", []) if home != src else []
+    index["sources"][home.name] = {
         "command": sweep_index.get("command"),
         "started": sweep_index.get("started"),
         "finished": sweep_index.get("finished"),
-        "runs_collected": sorted(p.name for p in written),
+        "runs_collected": sorted(set(earlier) | {p.name for p in written}),
         "collected": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "collected_on": {"cpu": cpu_model(), "cores": os.cpu_count()},
     }

@@ -348,6 +348,7 @@ class Launcher:
 
         from actorq_jax.analysis.aggregate import final_and_best_returns
         from actorq_jax.telemetry import ACTOR_PHASES
+        from actorq_jax.telemetry.schema import CPU_CLOCK
 
         counters = self._counters(exit_code)
         env_steps = counters["env_steps"]
@@ -369,6 +370,7 @@ class Launcher:
             "launcher": self.placement.name,
             "energy_nodes": int(energy.get("energy_nodes", 1)),
             "events": self.events,
+            "cpu_clock": CPU_CLOCK,  # what the CPU columns of the actor CSVs and learner.csv measured
         }
         for policy, suffix in (("fp32", ""), ("actor", "_actor_policy")):
             final, best = final_and_best_returns(evals, policy)

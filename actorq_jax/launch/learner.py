@@ -236,7 +236,7 @@ class LearnerLog:
         self.forward_to = forward_to  # under Ray: the service that carries the rows to the launcher's process
         self.start = start
         self._logger: Any = None
-        self._last = (time.monotonic(), first_step, time.thread_time())
+        self._last = (time.monotonic(), first_step, time.process_time())
         self._last_totals = PublishTotals(0, 0, 0, 0.0, -1, 0)
 
     def write(self, steps: int, env_steps: int, metrics: Dict[str, float], totals: PublishTotals) -> None:
@@ -249,14 +249,14 @@ class LearnerLog:
             # One row per LOG_EVERY_STEPS steps is rare enough to flush each: a SIGKILL loses none.
             self._logger = row_log(self.path, fields + sorted(row), self.forward_to, flush_every_s=0)
         last_time, last_steps, last_cpu = self._last
-        cpu = time.thread_time()
+        cpu = time.process_time()
         row.update(
             learner_steps=steps,
             wall_seconds=round(now - self.start, 3),
             env_steps=env_steps,
             sgd_steps_per_s=(steps - last_steps) / max(now - last_time, 1e-9),
-            # The loop thread's CPU per step (sampling's own threads aside): 1 / sgd_steps_per_s far above it
-            # means the learner waited (for replay, or for a core it shares), not that its step got slower.
+            # The process's CPU per step (XLA's compute threads, sampling and publishing included): 1 / sgd_steps_per_s
+            # far above it means the learner waited (for replay, or for a core it shares), not that its step got slower.
             cpu_s_per_step=(cpu - last_cpu) / max(steps - last_steps, 1),
             # Per publication since the last row (off the SGD path: this is the publisher thread's time).
             publish_s=_per_item(totals.publish_s - self._last_totals.publish_s, totals.published - self._last_totals.published),

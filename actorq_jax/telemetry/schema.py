@@ -9,8 +9,12 @@ ACTOR_PHASES = ("env_step", "inference", "adder", "rate_limit_wait", "pull", "de
 # (incarnation: a token of the actor process, so a row sent twice is written once); env_index is which of the actor's environments
 # (--envs_per_actor) finished it, episode and env_steps count over all of them. rejected_payloads counts (cumulatively) the
 # variable payloads the actor refused (malformed, non-finite, or not fitting its network). <phase>_s is a
-# phase's wall time in the episode, <phase>_cpu_s the CPU time its thread spent in it: wall well above CPU
-# means the process waited for a core (or, for adder and pull, for the server).
+# phase's wall time in the episode, <phase>_cpu_s the process's CPU time while it ran (all threads: XLA computes
+# on its own; pull, deserialize and load run in the variable client's thread and count that thread's CPU): wall
+# well above CPU means the process waited for a core (or, for adder and pull, for the server).
+# summary.json's "cpu_clock" says which clock a run's CPU columns used ("process"; runs without it: the timing
+# thread's alone, which misses the compute XLA runs on its own threads).
+CPU_CLOCK = "process"
 ACTOR_FIELDS = (
     "actor_id", "incarnation", "episode", "env_index", "env_steps", "episode_return", "episode_length", "wall_seconds",
     "params_version", "rejected_payloads",

@@ -1,0 +1,139 @@
+"""Where the time of a run goes (RQ4): actor milliseconds per env step by phase, learner milliseconds per SGD
+step (CPU against the rest), per agent, task, layout, replay regime and actor bit-width; and its figure.
+
+The actor's phases are wall time, each beside the CPU time its thread spent: wall well above CPU means
+the process waited (for a core, the server, or the rate limiter). The learner's step splits into its
+thread's CPU and the rest (sampling held by the rate limiter, or the process waiting for a core).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+
+from actorq_jax.analysis.loading import PHASES
+from actorq_jax.analysis.run_figures import bottleneck
+from actorq_jax.telemetry.schema import CPU_CLOCK
+
+GROUP = ["agent", "task", "layout", "regime", "bits"]
+_PHASE_COLORS = {"env_step": "#4c72b0", "inference": "#dd8452", "adder": "#937860", "rate_limit_wait": "#c8c8c8",
+                 "pull": "#55a868", "deserialize": "#c44e52", "load": "#8172b3"}
+
+
+def _actor_split(episodes: pd.DataFrame) -> Dict[str, float]:
+    """ms per env step of one run's actors: each phase's wall time, and the CPU time of all phases together."""
+    steps = float(episodes["episode_length"].sum())
+    split = {f"actor_{p}_ms": 1000.0 * float(episodes.get(f"{p}_s", pd.Series(0.0)).fillna(0.0).sum()) / steps
+             for p in PHASES}
+    cpu = [f"{p}_cpu_s" for p in PHASES if f"{p}_cpu_s" in episodes.columns]
+    split["actor_cpu_ms"] = 1000.0 * float(episodes[cpu].fillna(0.0).to_numpy().sum()) / steps if cpu else math.nan
+    split["actor_wall_ms"] = sum(split[f"actor_{p}_ms"] for p in PHASES)
+    return split
+
+
+def _learner_split(rows: pd.DataFrame) -> Dict[str, float]:
+    """ms per SGD step of one run's learner after its first logged row (compilation and warm-up excluded)."""
+    rows = rows.sort_values("learner_steps")
+    if len(rows) < 2:
+        return {"learner_wall_ms": math.nan, "learner_cpu_ms": math.nan}
+    first, last = rows.iloc[0], rows.iloc[-1]
+    steps = float(last["learner_steps"] - first["learner_steps"])
+    wall = 1000.0 * float(last["wall_seconds"] - first["wall_seconds"]) / steps if steps > 0 else math.nan
+    later = rows.iloc[1:]
+    cpu = 1000.0 * float(later["cpu_s_per_step"].mean()) if "cpu_s_per_step" in later.columns else math.nan
+    return {"learner_wall_ms": wall, "learner_cpu_ms": cpu}
+
+
+def time_split(runs: pd.DataFrame, actors: pd.DataFrame, learner: pd.DataFrame) -> pd.DataFrame:
+    """One row per (agent, task, layout, regime, bits): mean over runs of the actors' and the learner's ms per step,
+    with the run count and what bound the runs (from the summed actor phases)."""
+    rows: List[Dict[str, object]] = []
+    for run in runs[runs["complete"]].itertuples(index=False):
+        episodes = actors[actors["run"] == run.run] if not actors.empty else actors
+        if episodes.empty or float(episodes["episode_length"].sum()) <= 0:
+            continue
+        row = {k: getattr(run, k) for k in GROUP}
+        row.update(_actor_split(episodes))
+        row.update(_learner_split(learner[learner["run"] == run.run] if not learner.empty else learner))
+        if run.cpu_clock != CPU_CLOCK:  # an older run timed one thread only, missing XLA's: no CPU figure
+            row["actor_cpu_ms"] = row["learner_cpu_ms"] = math.nan
+        row["phase_s"] = {p: float(episodes.get(f"{p}_s", pd.Series(0.0)).fillna(0.0).sum()) for p in PHASES}
+        rows.append(row)
+    columns = GROUP + ["runs"] + [f"actor_{p}_ms" for p in PHASES] + [
+        "actor_wall_ms", "actor_cpu_ms", "learner_wall_ms", "learner_cpu_ms", "bound_by"]
+    if not rows:
+        return pd.DataFrame(columns=columns)
+    frame = pd.DataFrame(rows)
+    numeric = [c for c in columns if c.endswith("_ms")]
+    grouped = frame.groupby(GROUP, sort=False)
+    table = grouped[numeric].mean()
+    table["runs"] = grouped.size()
+    table["bound_by"] = grouped["phase_s"].apply(
+        lambda splits: bottleneck({p: sum(s[p] for s in splits) for p in PHASES}))
+    table = table.reset_index()
+    order = table.sort_values(["agent", "task", "layout", "regime", "bits"], ascending=[True, True, True, True, False])
+    return order.reset_index(drop=True)[columns]
+
+
+def _or_dash(value: float, pattern: str) -> str:
+    return "-" if value != value else format(value, pattern)
+
+
+def time_split_markdown(table: pd.DataFrame) -> str:
+    """The table of record: ms per step by phase (actors) and CPU against the rest (learner), and the bound."""
+    header = (["agent", "task", "layout", "regime", "actor bits", "runs"] + [p.replace("_", " ") for p in PHASES]
+              + ["actor wall (CPU)", "learner step wall (CPU)", "bound by"])
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in table.itertuples(index=False):
+        phases = [f"{getattr(r, f'actor_{p}_ms'):.3f}" for p in PHASES]
+        lines.append("| " + " | ".join([
+            r.agent, r.task, r.layout, r.regime, f"q={r.bits}", str(r.runs), *phases,
+            f"{r.actor_wall_ms:.3f} ({_or_dash(r.actor_cpu_ms, '.3f')})",
+            f"{r.learner_wall_ms:.1f} ({_or_dash(r.learner_cpu_ms, '.1f')})",
+            r.bound_by]) + " |")
+    return "\n".join(lines)
+
+
+def plot_time_split(table: pd.DataFrame) -> Figure:
+    """Per agent and task: stacked actor ms per env step by phase, and the learner's ms per SGD step (CPU and rest),
+    one bar per layout, regime and bit-width."""
+    cases = list(dict.fromkeys(zip(table["agent"], table["task"])))
+    if not cases:
+        raise ValueError("no runs with actor episodes to plot")
+    fig = Figure(figsize=(12.0, 3.9 * len(cases)), layout="constrained")
+    axes = fig.subplots(len(cases), 2, squeeze=False)
+    for (ax_actor, ax_learner), (agent, task) in zip(axes, cases):
+        rows = table[(table["agent"] == agent) & (table["task"] == task)]
+        labels = [f"{r.layout}, {r.regime}\nq={r.bits}\nbound: {r.bound_by.split(' (')[0]}"
+                  for r in rows.itertuples(index=False)]
+        x = np.arange(len(rows))
+        bottom = np.zeros(len(rows))
+        for phase in PHASES:
+            ms = rows[f"actor_{phase}_ms"].fillna(0.0).to_numpy()
+            ax_actor.bar(x, ms, bottom=bottom, color=_PHASE_COLORS[phase],
+                         label="replay write" if phase == "adder" else phase.replace("_", " "))
+            bottom += ms
+        if rows["actor_cpu_ms"].notna().any():
+            ax_actor.plot(x, rows["actor_cpu_ms"], "k_", markersize=22, label="actor process CPU")
+        wall = rows["learner_wall_ms"].to_numpy()
+        cpu = rows["learner_cpu_ms"].to_numpy()
+        known = ~np.isnan(cpu)
+        if known.any():
+            ax_learner.bar(x[known], cpu[known], color="#4c72b0", label="learner process CPU")
+            ax_learner.bar(x[known], np.clip(wall[known] - cpu[known], 0.0, None), bottom=cpu[known],
+                           color="#c8c8c8", label="waiting (sampling held, or no core)")
+        if (~known).any():  # runs timed before the process clock: the step's wall time only
+            ax_learner.bar(x[~known], wall[~known], color="#8c8c8c", hatch="//", label="SGD step (CPU not recorded)")
+        for ax, unit in ((ax_actor, "ms per actor env step"), (ax_learner, "ms per learner SGD step")):
+            ax.set_xticks(x, labels, fontsize="small")
+            ax.set_ylabel(unit)
+            ax.grid(axis="y", alpha=0.3)
+        ax_actor.set_title(f"{agent} {task}: actors")
+        ax_learner.set_title(f"{agent} {task}: learner")
+        ax_actor.legend(fontsize="x-small", ncols=2)
+        ax_learner.legend(fontsize="x-small")
+    return fig

@@ -1,0 +1,58 @@
+"""RQ4's split of actor and learner time, on hand-made runs with hand-computed cells."""
+
+import math
+
+import pandas as pd
+
+from actorq_jax.analysis.loading import PHASES
+from actorq_jax.analysis.time_split import plot_time_split, time_split, time_split_markdown
+
+
+def _runs() -> pd.DataFrame:
+    base = {"agent": "d4pg", "task": "cartpole_balance", "layout": "pinned", "regime": "ratio 32", "complete": True}
+    return pd.DataFrame([
+        {**base, "run": "a", "bits": 32, "cpu_clock": "process"},
+        {**base, "run": "b", "bits": 32, "cpu_clock": "process"},
+        {**base, "run": "c", "bits": 8, "cpu_clock": math.nan},  # timed before the process clock
+    ])
+
+
+def _episode(run: str, length: int, inference_s: float, wait_s: float, cpu_s: float) -> dict:
+    row = {"run": run, "episode_length": length, **{f"{p}_s": 0.0 for p in PHASES},
+           **{f"{p}_cpu_s": 0.0 for p in PHASES}}
+    row.update(inference_s=inference_s, rate_limit_wait_s=wait_s, inference_cpu_s=cpu_s)
+    return row
+
+
+def test_cells_are_means_over_runs_of_per_step_milliseconds_and_the_bound_is_named():
+    actors = pd.DataFrame([
+        _episode("a", 1000, 1.0, 0.0, 0.5), _episode("a", 1000, 1.0, 0.0, 0.5),  # 1.0 ms inference, 0.5 ms CPU
+        _episode("b", 500, 1.5, 0.0, 1.0),  # 3.0 ms inference, 2.0 ms CPU
+        _episode("c", 1000, 0.2, 2.0, 0.1),  # waits on the limiter 91% of its time
+    ])
+    learner = pd.DataFrame([
+        {"run": "a", "learner_steps": 100, "wall_seconds": 50.0, "cpu_s_per_step": 9.0},  # warm-up row: left out
+        {"run": "a", "learner_steps": 300, "wall_seconds": 54.0, "cpu_s_per_step": 0.01},  # 20 ms a step, 10 CPU
+        {"run": "b", "learner_steps": 100, "wall_seconds": 10.0, "cpu_s_per_step": 1.0},
+        {"run": "b", "learner_steps": 200, "wall_seconds": 13.0, "cpu_s_per_step": 0.02},  # 30 ms, 20 CPU
+        {"run": "c", "learner_steps": 100, "wall_seconds": 10.0, "cpu_s_per_step": 1.0},
+        {"run": "c", "learner_steps": 200, "wall_seconds": 12.0, "cpu_s_per_step": 0.02},
+    ])
+    table = time_split(_runs(), actors, learner)
+    assert list(table["bits"]) == [32, 8]
+    q32, q8 = table.iloc[0], table.iloc[1]
+    assert q32["runs"] == 2 and q8["runs"] == 1
+    assert math.isclose(q32["actor_inference_ms"], 2.0)  # mean of 1.0 and 3.0
+    assert math.isclose(q32["actor_cpu_ms"], 1.25)  # mean of 0.5 and 2.0
+    assert math.isclose(q32["learner_wall_ms"], 25.0) and math.isclose(q32["learner_cpu_ms"], 15.0)
+    assert math.isnan(q8["actor_cpu_ms"]) and math.isnan(q8["learner_cpu_ms"])  # one thread's clock: not shown
+    assert q8["bound_by"].startswith("learner (actors blocked on the rate limiter 91%")
+    assert q32["bound_by"].startswith("actor inference (100%")
+    markdown = time_split_markdown(table)
+    assert "| d4pg | cartpole_balance | pinned | ratio 32 | q=8 | 1 |" in markdown and "(-)" in markdown
+    assert plot_time_split(table) is not None
+
+
+def test_runs_without_actor_episodes_give_an_empty_table():
+    table = time_split(_runs(), pd.DataFrame(columns=["run", "episode_length"]), pd.DataFrame())
+    assert table.empty and "bound_by" in table.columns
