@@ -79,10 +79,10 @@ def test_bottleneck_names_the_limiter_when_actors_mostly_wait():
 @pytest.mark.timeout(900)
 def test_quick_benchmark_runs_real_runs_and_reports_every_headline_key(tmp_path):
     out = tmp_path / "e2e.json"
-    # The --quick default of 45 s a run: keys and plumbing are checked here, not values, but in the pinned
-    # layout four processes start on one core, and shorter runs may end before the learner's first batch.
+    # Keys and plumbing are checked here, not values: each run stops at 100 learner steps (or the --quick
+    # budget of 45 s, which a pinned layout's four processes starting on one core may need).
     proc = subprocess.run([sys.executable, "benchmarks/end_to_end.py", "--quick", "--json", str(out),
-                           "--results_dir", str(tmp_path / "runs")],
+                           "--results_dir", str(tmp_path / "runs"), "--", "--max_learner_steps", "100"],
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=880)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())

@@ -42,8 +42,9 @@ def test_headline_is_ray_median_over_local_median():
 @pytest.mark.timeout(300)
 def test_quick_run_writes_the_headline(tmp_path):
     out = tmp_path / "launchers.json"
-    proc = subprocess.run([sys.executable, "benchmarks/launchers.py", "--quick", "--json", str(out), "--results_dir",
-                           str(tmp_path / "runs")], cwd=ROOT, capture_output=True, text=True, timeout=280)
+    # A plumbing check: 1,200 env steps a run (the --quick benchmark makes 2,500).
+    proc = subprocess.run([sys.executable, "benchmarks/launchers.py", "--quick", "--env_steps", "1200", "--json", str(out),
+                           "--results_dir", str(tmp_path / "runs")], cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     payload = json.loads(out.read_text())
     assert payload["benchmark"] == "launchers" and payload["machine"]["cpu"]
