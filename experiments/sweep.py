@@ -175,6 +175,16 @@ def _run_one(entry: Dict[str, Any], script_cmd: List[str], passthrough: List[str
     return code
 
 
+def unfinished(run_dir: Path) -> Optional[str]:
+    """Why the run in run_dir with a summary.json did not finish its budget (None when it did)."""
+    summary = json.loads(RunDir(run_dir).summary.read_text())
+    if summary.get("exit_code") != 0:
+        return f"it exited {summary.get('exit_code')}"
+    if any(str(event).startswith("stop requested") for event in summary.get("events", [])):
+        return "it was stopped before its budget"
+    return None
+
+
 def _keep_existing(entry: Dict[str, Any], run_dir: Path) -> None:
     summary = json.loads(RunDir(run_dir).summary.read_text())
     entry.update(status="existing", exit_code=summary.get("exit_code"), wall_seconds=summary.get("wall_seconds"))
@@ -194,6 +204,14 @@ def run_sweep(argv: Optional[Sequence[str]] = None) -> int:
     index_path = sweep_dir / INDEX
     index = _plan(args, bits_list, seeds, passthrough, argv)
     existing = {e["name"] for e in index["runs"] if args.skip_existing and RunDir(sweep_dir / e["dir"]).summary.is_file()}
+    # Only a run that finished its budget stands for its cell: a stopped or failed one would skew the table.
+    cut_short = [(e["dir"], unfinished(sweep_dir / e["dir"])) for e in index["runs"] if e["name"] in existing]
+    cut_short = [(name, why) for name, why in cut_short if why]
+    if cut_short:
+        for name, why in cut_short:
+            print(f"sweep: --skip_existing: {sweep_dir / name} did not finish ({why}); move it aside to run it again",
+                  file=sys.stderr)
+        return 2
     check_runs(args.agent, passthrough,
                [(e["bits"], e["seed"], sweep_dir / e["dir"]) for e in index["runs"] if e["name"] not in existing])
     (sweep_dir / "logs").mkdir(parents=True, exist_ok=True)

@@ -473,3 +473,19 @@ def test_final_and_best_returns_of_one_run_as_the_launcher_summarises_them():
     assert final_and_best_returns(periodic_only, "fp32") == (3.0, 7.0)  # the last periodic evaluation
     final, best = final_and_best_returns(pd.DataFrame(), "fp32")
     assert final != final and best != best  # NaN: never evaluated
+
+
+def test_skip_existing_keeps_finished_runs_and_refuses_one_cut_short(tmp_path, capsys):
+    sweep = load_script("sweep")
+    sweep_dir = tmp_path / "s"
+    done, stopped = sweep_dir / "d4pg_cartpole_balance_q32_s0", sweep_dir / "d4pg_cartpole_balance_q8_s0"
+    for run_dir, events in ((done, ["wall-clock budget reached (7 s)"]), (stopped, ["stop requested; shutting down"])):
+        run_dir.mkdir(parents=True)
+        (run_dir / "summary.json").write_text(json.dumps({"exit_code": 0, "events": events, "wall_seconds": 7.0}))
+    assert sweep.unfinished(done) is None
+    assert sweep.unfinished(stopped) == "it was stopped before its budget"
+    code = sweep.run_sweep(["--agent", "d4pg", "--bits", "32,8", "--results_dir", str(sweep_dir), "--skip_existing",
+                            "--task", "cartpole_balance", "--max_seconds", "7"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert f"{stopped} did not finish (it was stopped before its budget)" in err and str(done) not in err
