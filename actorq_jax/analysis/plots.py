@@ -19,7 +19,7 @@ from actorq_jax.analysis.aggregate import curve_band
 # Fixed colours so a bit-width looks the same in every figure.
 _BIT_COLORS = {32: "tab:blue", 16: "tab:orange", 8: "tab:green", 7: "tab:olive", 6: "tab:cyan", 5: "tab:pink",
                4: "tab:red", 3: "tab:purple", 2: "tab:brown"}
-_PHASE_COLORS = {"env_step": "#4c72b0", "inference": "#dd8452", "adder": "#937860", "rate_limit_wait": "#c8c8c8",
+PHASE_COLORS = {"env_step": "#4c72b0", "inference": "#dd8452", "adder": "#937860", "rate_limit_wait": "#c8c8c8",
                  "pull": "#55a868", "deserialize": "#c44e52", "load": "#8172b3"}
 _X_LABELS = {"wall_seconds": "wall-clock time (s)", "env_steps": "environment steps",
              "learner_steps": "learner steps"}
@@ -105,7 +105,7 @@ def plot_actor_time(breakdown: pd.DataFrame) -> Figure:
         bottom_share = np.zeros(len(rows))
         for phase in _STACK:
             ms = rows[f"{phase}_ms"].fillna(0.0).to_numpy()
-            color = _PHASE_COLORS[phase]
+            color = PHASE_COLORS[phase]
             label = "replay write" if phase == "adder" else phase.replace("_", " ")
             ax_ms.bar(positions, ms, bottom=bottom_ms, color=color, label=label)
             bottom_ms += ms

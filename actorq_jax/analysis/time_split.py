@@ -16,19 +16,22 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from actorq_jax.analysis.loading import PHASES
+from actorq_jax.analysis.plots import PHASE_COLORS
 from actorq_jax.analysis.run_figures import bottleneck
 from actorq_jax.telemetry.schema import CPU_CLOCK
 
 GROUP = ["agent", "task", "layout", "regime", "bits"]
-_PHASE_COLORS = {"env_step": "#4c72b0", "inference": "#dd8452", "adder": "#937860", "rate_limit_wait": "#c8c8c8",
-                 "pull": "#55a868", "deserialize": "#c44e52", "load": "#8172b3"}
 
 
-def _actor_split(episodes: pd.DataFrame) -> Dict[str, float]:
+def _phase_seconds(episodes: pd.DataFrame) -> Dict[str, float]:
+    """Each phase's wall seconds over one run's actor episodes (a phase a run did not time counts zero)."""
+    return {p: float(episodes[f"{p}_s"].fillna(0.0).sum()) if f"{p}_s" in episodes.columns else 0.0 for p in PHASES}
+
+
+def _actor_split(episodes: pd.DataFrame, phase_s: Dict[str, float]) -> Dict[str, float]:
     """ms per env step of one run's actors: each phase's wall time, and the CPU time of all phases together."""
     steps = float(episodes["episode_length"].sum())
-    split = {f"actor_{p}_ms": 1000.0 * float(episodes.get(f"{p}_s", pd.Series(0.0)).fillna(0.0).sum()) / steps
-             for p in PHASES}
+    split = {f"actor_{p}_ms": 1000.0 * phase_s[p] / steps for p in PHASES}
     cpu = [f"{p}_cpu_s" for p in PHASES if f"{p}_cpu_s" in episodes.columns]
     split["actor_cpu_ms"] = 1000.0 * float(episodes[cpu].fillna(0.0).to_numpy().sum()) / steps if cpu else math.nan
     split["actor_wall_ms"] = sum(split[f"actor_{p}_ms"] for p in PHASES)
@@ -57,11 +60,11 @@ def time_split(runs: pd.DataFrame, actors: pd.DataFrame, learner: pd.DataFrame) 
         if episodes.empty or float(episodes["episode_length"].sum()) <= 0:
             continue
         row = {k: getattr(run, k) for k in GROUP}
-        row.update(_actor_split(episodes))
+        row["phase_s"] = _phase_seconds(episodes)
+        row.update(_actor_split(episodes, row["phase_s"]))
         row.update(_learner_split(learner[learner["run"] == run.run] if not learner.empty else learner))
         if run.cpu_clock != CPU_CLOCK:  # an older run timed one thread only, missing XLA's: no CPU figure
             row["actor_cpu_ms"] = row["learner_cpu_ms"] = math.nan
-        row["phase_s"] = {p: float(episodes.get(f"{p}_s", pd.Series(0.0)).fillna(0.0).sum()) for p in PHASES}
         rows.append(row)
     columns = GROUP + ["runs"] + [f"actor_{p}_ms" for p in PHASES] + [
         "actor_wall_ms", "actor_cpu_ms", "learner_wall_ms", "learner_cpu_ms", "bound_by"]
@@ -114,7 +117,7 @@ def plot_time_split(table: pd.DataFrame) -> Figure:
         bottom = np.zeros(len(rows))
         for phase in PHASES:
             ms = rows[f"actor_{phase}_ms"].fillna(0.0).to_numpy()
-            ax_actor.bar(x, ms, bottom=bottom, color=_PHASE_COLORS[phase],
+            ax_actor.bar(x, ms, bottom=bottom, color=PHASE_COLORS[phase],
                          label="replay write" if phase == "adder" else phase.replace("_", " "))
             bottom += ms
         if rows["actor_cpu_ms"].notna().any():

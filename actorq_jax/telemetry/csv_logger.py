@@ -169,7 +169,8 @@ class CsvLogger:
         self.close()
 
 
-def _parse(value: Optional[str]) -> Any:
+def parse_field(value: Optional[str]) -> Any:
+    """One CSV field as read_csv returns it: an int, a float, a string, or None when empty."""
     if value is None or value == "":  # None: a short row (DictReader's restval)
         return None
     if "_" in value:  # int() and float() accept digit separators ("1_000"); a name like "q_8" stays a name
@@ -210,5 +211,5 @@ def read_csv(path: PathLike) -> List[Dict[str, Any]]:
         if None in row:  # DictReader's restkey: fields beyond the header
             raise ValueError(f"{path}, line {reader.line_num}: {len(reader.fieldnames) + len(row[None])} fields, "
                              f"but the header has {len(reader.fieldnames)}")
-        rows.append({key: _parse(value) for key, value in row.items()})
+        rows.append({key: parse_field(value) for key, value in row.items()})
     return rows

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from actorq_jax.run_dir import RunDir
+from actorq_jax.telemetry.csv_logger import parse_field
 from actorq_jax.telemetry.schema import ACTOR_PHASES
 
 log = logging.getLogger(__name__)
@@ -94,18 +95,12 @@ class CsvFollower:
         lines = list(csv.reader(data[: end + 1].decode("utf-8", errors="replace").splitlines()))
         if self._header is None and lines:
             self._header, lines = lines[0], lines[1:]
-        return [{k: _number(v) for k, v in zip(self._header or [], line)} for line in lines if line]
-
-
-def _number(text: str) -> Any:
-    try:
-        return float(text)
-    except ValueError:
-        return text
+        return [{k: parse_field(v) for k, v in zip(self._header or [], line)} for line in lines if line]
 
 
 def _numbers(row: Mapping[str, Any], skip: Tuple[str, ...] = ()) -> Dict[str, float]:
-    return {k: v for k, v in row.items() if isinstance(v, float) and k not in skip}
+    return {k: float(v) for k, v in row.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in skip}
 
 
 def learner_scalars(row: Mapping[str, Any]) -> Tuple[int, Dict[str, float]]:
