@@ -28,21 +28,22 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
-import math
 import os
-import statistics
+import shlex
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from actorq_jax.agents.registry import get_agent  # noqa: E402  (after the path insert)
-from actorq_jax.analysis.run_figures import measure_run  # noqa: E402
+from actorq_jax.analysis.loading import SWEEP_INDEX  # noqa: E402
+from actorq_jax.analysis.run_figures import BITS, headline, measure_run  # noqa: E402  (headline: also the tests')
 from actorq_jax.launch.placement import worker_env  # noqa: E402
 from actorq_jax.run_dir import RunDir  # noqa: E402
 from actorq_jax.telemetry import write_json  # noqa: E402
@@ -58,7 +59,6 @@ AGENTS = {
     "dqn": {"task": "CartPole-v1", "target": 500.0, "layers": ["--q_layers", "256,256"]},
 }
 LAYOUTS = ("pinned", "shared")
-BITS = (32, 8)
 
 
 def _layout_flags(layout: str) -> List[str]:
@@ -88,6 +88,21 @@ def _run(agent: str, layout: str, bits: int, seed: int, args: argparse.Namespace
     return run_dir
 
 
+def write_index(out: Path, argv: Optional[Sequence[str]], started: str, rows: List[Dict[str, Any]],
+                finished: Optional[str], threshold: float) -> None:
+    """The results directory's index (the sweep's format): the command, when it ran, its runs so far; what
+    `experiments/report.py --collect` records beside the runs."""
+    command = shlex.join([sys.executable, *sys.argv] if argv is None else ["benchmarks/end_to_end.py", *argv])
+    runs = [{"name": Path(r["run_dir"]).name, "dir": Path(r["run_dir"]).name, "bits": r["bits"], "seed": r["seed"],
+             "layout": r["layout"], "status": "done"} for r in rows]
+    write_json(out / SWEEP_INDEX, {"command": command, "benchmark": "end_to_end", "threshold": threshold,
+                                   "started": started, "finished": finished, "runs": runs})
+
+
+def _now() -> str:
+    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
 def _finished_with(run_dir: Path, agent: str, flags: List[str]) -> bool:
     """Whether run_dir holds a finished run of exactly these flags (so a grid extended by seeds, or
     restarted after an interruption, reruns nothing it already has)."""
@@ -111,34 +126,6 @@ def _regime_flags(args: argparse.Namespace) -> List[str]:
     if args.rate_limiter == "ratio":
         return ["--rate_limiter", "ratio", "--samples_per_insert", f"{args.samples_per_insert:g}"]
     return ["--rate_limiter", "min_size", "--max_times_sampled", str(args.max_times_sampled)]
-
-
-def _mean(values: List[float]) -> float:
-    finite = [v for v in values if v == v]
-    return statistics.fmean(finite) if finite else math.nan
-
-
-def _ratio(a: float, b: float) -> float:
-    return a / b if b and a == a and b == b else math.nan
-
-
-def headline(rows: List[Dict[str, Any]], layout: str) -> Dict[str, float]:
-    """The BENCHMARKS.md keys for one layout (time and energy: means over runs that reached the target)."""
-    by_bits = {b: [r for r in rows if r["layout"] == layout and r["bits"] == b] for b in BITS}
-    mean = {b: {k: _mean([r[k] for r in by_bits[b]]) for k in
-                ("time_to_target_s", "energy_to_target_kwh", "env_steps_per_s", "learner_steps_per_s", "final_return")}
-            for b in BITS}
-    suffix = "" if layout == "pinned" else "_shared"
-    return {
-        f"time_to_target_speedup_q8{suffix}": _ratio(mean[32]["time_to_target_s"], mean[8]["time_to_target_s"]),
-        f"energy_to_target_ratio_q8{suffix}": _ratio(mean[32]["energy_to_target_kwh"], mean[8]["energy_to_target_kwh"]),
-        f"env_steps_per_s_ratio_q8{suffix}": _ratio(mean[8]["env_steps_per_s"], mean[32]["env_steps_per_s"]),
-        f"learner_steps_per_s_ratio_q8{suffix}": _ratio(mean[8]["learner_steps_per_s"], mean[32]["learner_steps_per_s"]),
-        f"final_return_q32{suffix}": mean[32]["final_return"],
-        f"final_return_q8{suffix}": mean[8]["final_return"],
-        f"runs_reached_target_q32{suffix}": float(sum(r["reached"] for r in by_bits[32])),
-        f"runs_reached_target_q8{suffix}": float(sum(r["reached"] for r in by_bits[8])),
-    }
 
 
 def _print_table(rows: List[Dict[str, Any]], threshold: float) -> None:
@@ -216,14 +203,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     out = Path(args.results_dir or f"results/end_to_end_{time.strftime('%Y%m%d-%H%M%S')}").absolute()
     out.mkdir(parents=True, exist_ok=True)
     before = machine_info()
-    rows = []
+    rows: List[Dict[str, Any]] = []
+    started = _now()
     for seed in range(seeds):
         for layout in layouts:
             for bits in BITS:  # q32, q8 alternate within each seed and layout
                 run_dir = _run(args.agent, layout, bits, seed, args, out)
                 rows.append({"layout": layout, "bits": bits, "seed": seed, "run_dir": str(run_dir),
                              **measure_run(run_dir, threshold)})
+                write_index(out, argv, started, rows, None, threshold)
                 print(f"[end_to_end] {run_dir.name}: done", flush=True)
+    write_index(out, argv, started, rows, _now(), threshold)
     _print_table(rows, threshold)
     head: Dict[str, float] = {}
     for layout in layouts:

@@ -97,8 +97,83 @@ def render_rq4(study_dir: Path, figures_dir: Path, figure_link: str) -> str:
     return "\n".join(lines)
 
 
+def _e2e_row(run_dir: Path, threshold: float) -> Dict:
+    """One end-to-end run's figures (analysis.measure_run) with its bits, seed, layout and per-step actor phases."""
+    import json
+
+    from actorq_jax.analysis.run_figures import measure_run
+
+    config = json.loads((run_dir / "config.json").read_text())["run"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    steps = max(1, int(summary["env_steps"]))
+    wall, cpu = summary.get("actor_time_s", {}), summary.get("actor_cpu_time_s", {})
+    per_step = {p: (1000 * wall.get(p, 0.0) / steps, 1000 * cpu.get(p, 0.0) / steps) for p in wall}
+    service = summary.get("worker_cpu_s", {}).get("replay")
+    return {"bits": int(config["actor_bits"]), "seed": int(config["seed"]), "layout": config.get("layout", "shared"),
+            "run_dir": str(run_dir), "phase_ms": per_step,
+            "service_cpu_ms": 1000 * service / steps if service else None, **measure_run(run_dir, threshold)}
+
+
+def _e2e_markdown(rows: List[Dict], threshold: float) -> List[str]:
+    def dash(value: float, pattern: str) -> str:
+        return "-" if value != value else format(value, pattern)
+
+    lines = [f"| q | seed | time to {threshold:g} (s) | env steps to {threshold:g} | Wh to {threshold:g} | env steps/s | "
+             f"SGD steps/s | final return | actor ms per env step, wall / CPU: env step, inference, replay write | "
+             f"limiter wait ms | bound by |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        phases = ", ".join(f"{r['phase_ms'].get(p, (0, 0))[0]:.2f} / {r['phase_ms'].get(p, (0, 0))[1]:.2f}"
+                           for p in ("env_step", "inference", "adder"))
+        lines.append(f"| {r['bits']} | {r['seed']} | {dash(r['time_to_target_s'], '.0f')} | "
+                     f"{dash(r['env_steps_to_target'], ',.0f')} | {dash(1000 * r['energy_to_target_kwh'], '.3f')} | "
+                     f"{r['env_steps_per_s']:.0f} | {r['learner_steps_per_s']:.1f} | {dash(r['final_return'], '.1f')} | "
+                     f"{phases} | {r['phase_ms'].get('rate_limit_wait', (0, 0))[0]:.2f} | {r['bound_by']} |")
+    return lines
+
+
+def render_rq3(study_dir: Path, figures_dir: Path, figure_link: str) -> str:
+    """RQ1/RQ3's end-to-end tables (q=8 against q=32 actors), one per recorded benchmarks/end_to_end.py grid."""
+    import json
+
+    import pandas as pd
+
+    from actorq_jax.analysis.run_figures import BITS, headline
+
+    sources = analysis.read_study(study_dir).get("sources", {})
+    lines = _provenance(study_dir, sum(len(s.get("runs_collected", [])) for s in sources.values()))
+    for name, source in sorted(sources.items()):
+        index_path = study_dir / "sweeps" / f"{name}.json"
+        index = json.loads(index_path.read_text()) if index_path.is_file() else {}
+        threshold = float(index.get("threshold", 900.0))
+        rows = [_e2e_row(study_dir / run, threshold) for run in source.get("runs_collected", [])]
+        rows.sort(key=lambda r: (r["layout"], r["seed"], -r["bits"]))
+        lines += ["", f"**`{name}`** (target {threshold:g}: the first evaluation whose mean fp32 return reaches it):", ""]
+        lines += _e2e_markdown(rows, threshold)
+        for layout in sorted({r["layout"] for r in rows}):
+            head = headline(rows, layout)
+            service = [r["service_cpu_ms"] for r in rows if r["layout"] == layout and r["service_cpu_ms"]]
+            shown = ", ".join(f"`{k}` {'-' if v != v else format(v, '.3g')}" for k, v in head.items())
+            lines += ["", f"Headline, {layout}: {shown}."]
+            if service:
+                lines.append(f"The replay service's CPU: {min(service):.2f}-{max(service):.2f} ms per env step.")
+            runs = analysis.load_runs([r["run_dir"] for r in rows if r["layout"] == layout and r["bits"] in BITS])
+            points = analysis.eval_points(analysis.load_evals(runs))
+            if not points.empty:
+                targets = pd.Series({task: threshold for task in points["task"].unique()})
+                figure = analysis.plot_return_curves(points, "wall_seconds", targets=targets)
+                figure.suptitle(f"{name}: line = mean over seeds, band = range over seeds", fontsize="small")
+                analysis.save_figure(figure, figures_dir / f"rq3_{name}.png")
+                lines += ["", f"![return against wall time, {name}]({figure_link}rq3_{name}.png)"]
+    lines += ["", "Actor phases: ms per env step over the run (both actors), wall time / the actor process's CPU (the "
+              "process clock counts every thread of the process during the phase). Bound by: the actors' timers "
+              "(analysis.run_figures.bottleneck). Time and energy ratios: means over the runs that reached the "
+              "target; `-`: not reached, never counted as the budget."]
+    return "\n".join(lines)
+
+
 # Study name -> its renderer. A study under results/records without one is listed, not rendered.
-STUDIES: Dict[str, Callable[[Path, Path, str], str]] = {"rq2": render_rq2, "rq4": render_rq4}
+STUDIES: Dict[str, Callable[[Path, Path, str], str]] = {"rq2": render_rq2, "rq3": render_rq3, "rq4": render_rq4}
 
 
 def replace_block(text: str, study: str, block: str) -> str:

@@ -74,29 +74,63 @@ def test_bottleneck_names_the_limiter_when_actors_mostly_wait():
     assert bottleneck({}).startswith("unknown")
 
 
+def test_bottleneck_names_the_actors_core_when_their_phases_mostly_wait_for_cpu():
+    wall = {"env_step": 2.0, "inference": 1.0, "adder": 6.0, "rate_limit_wait": 1.0}
+    assert bottleneck(wall).startswith("replay writes (60%")
+    waiting = bottleneck(wall, {"env_step": 1.8, "inference": 0.9, "adder": 1.5, "rate_limit_wait": 0.0})
+    assert waiting.startswith("CPU on the actors' cores (actors computing 47% of their working time")
+    assert waiting.endswith("largest phase replay writes (60% of actor time))")
+    computing = bottleneck(wall, {"env_step": 1.9, "inference": 1.0, "adder": 5.0})
+    assert computing.startswith("replay writes (60%")  # the writes themselves took the time
+
+
 @pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_quick_benchmark_runs_real_runs_and_reports_every_headline_key(tmp_path):
     out = tmp_path / "e2e.json"
     # Keys and plumbing are checked here, not values: each run stops at 100 learner steps (or the --quick
-    # budget of 45 s, which a pinned layout's four processes starting on one core may need).
-    proc = subprocess.run([sys.executable, "benchmarks/end_to_end.py", "--quick", "--json", str(out),
-                           "--results_dir", str(tmp_path / "runs"), "--", "--max_learner_steps", "100"],
+    # budget of 45 s, which a pinned layout's four processes starting on one core may need). One layout:
+    # the shared one differs only in the runs' --layout flag and its keys' suffix (tested without runs below).
+    proc = subprocess.run([sys.executable, "benchmarks/end_to_end.py", "--quick", "--layouts", "pinned",
+                           "--json", str(out), "--results_dir", str(tmp_path / "runs"), "--", "--max_learner_steps", "100"],
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=880)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     for key in HEADLINE:
-        for name in (key, f"{key}_shared"):
-            assert name in report["headline"], name
-            value = report["headline"][name]
-            # Time and energy ratios are null when a side reached no target (a miss is never its budget).
-            assert (value is None and key in TO_TARGET) or math.isfinite(value), (name, value)
-    assert {(r["layout"], r["bits"]) for r in report["rows"]} == {("pinned", 32), ("pinned", 8), ("shared", 32), ("shared", 8)}
+        assert key in report["headline"], key
+        value = report["headline"][key]
+        # Time and energy ratios are null when a side reached no target (a miss is never its budget).
+        assert (value is None and key in TO_TARGET) or math.isfinite(value), (key, value)
+    assert {(r["layout"], r["bits"]) for r in report["rows"]} == {("pinned", 32), ("pinned", 8)}
+    assert all(json.loads((Path(r["run_dir"]) / "config.json").read_text())["run"]["layout"] == "pinned"
+               for r in report["rows"])
     assert report["machine"]["cpu"] and "bound by" in proc.stdout
+    # The index that report.py --collect records with the runs: the command and every finished run.
+    index = json.loads((tmp_path / "runs" / "sweep.json").read_text())
+    assert "benchmarks/end_to_end.py --quick --layouts pinned" in index["command"] and index["finished"]
+    assert sorted(r["name"] for r in index["runs"]) == ["d4pg_pinned_q32_s0", "d4pg_pinned_q8_s0"]
     # Return against wall time, one figure per layout.
-    assert sorted(Path(f).name for f in report["figures"]) == ["return_vs_wall_pinned.png", "return_vs_wall_shared.png"]
+    assert [Path(f).name for f in report["figures"]] == ["return_vs_wall_pinned.png"]
     assert all(Path(f).stat().st_size > 10_000 for f in report["figures"])
+
+
+def test_each_layout_has_its_headline_keys_computed_from_its_own_runs():
+    sys.path.insert(0, str(BENCHMARKS))
+    from end_to_end import headline
+
+    def row(layout, bits, seconds, env_rate):
+        return {"layout": layout, "bits": bits, "time_to_target_s": seconds, "energy_to_target_kwh": seconds / 1000,
+                "env_steps_per_s": env_rate, "learner_steps_per_s": env_rate / 10, "final_return": 950.0,
+                "reached": seconds == seconds}
+
+    rows = [row("pinned", 32, 200.0, 1000.0), row("pinned", 8, 100.0, 1500.0),
+            row("shared", 32, 300.0, 900.0), row("shared", 8, math.nan, 1800.0)]
+    pinned, shared = headline(rows, "pinned"), headline(rows, "shared")
+    assert set(pinned) == set(HEADLINE) and set(shared) == {f"{k}_shared" for k in HEADLINE}
+    assert pinned["time_to_target_speedup_q8"] == 2.0 and pinned["env_steps_per_s_ratio_q8"] == 1.5
+    assert shared["env_steps_per_s_ratio_q8_shared"] == 2.0 and shared["runs_reached_target_q8_shared"] == 0.0
+    assert math.isnan(shared["time_to_target_speedup_q8_shared"])  # q=8 reached nothing: no ratio, never its budget
 
 
 def test_a_finished_run_with_the_same_flags_is_kept_and_any_other_is_run_again(tmp_path):

@@ -1,5 +1,6 @@
 """One definition of time to target, record sets, and experiments/report.py over a hand-made record set."""
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -172,3 +173,45 @@ def test_collect_records_finished_runs_without_checkpoints_or_logs(tmp_path):
     source = analysis.read_study(tmp_path / "records" / "rq4")["sources"]
     assert list(source) == ["sweep"] and source["sweep"]["command"] == "python experiments/sweep.py"
     assert source["sweep"]["runs_collected"] == [finished.name]
+
+
+def _e2e_run(root: Path, bits: int, wall_to_900: float, env_steps: int) -> str:
+    """A finished pinned end-to-end run of `bits` whose second evaluation reaches 900 at wall_to_900 s."""
+    from actorq_jax.launch.config import save_config
+    from actorq_jax.launch.flags import parse_run
+    from actorq_jax.telemetry import write_json
+
+    name = f"d4pg_pinned_q{bits}_s0"
+    run, agent = parse_run("d4pg", ["--actor_bits", str(bits), "--results_dir", str(root / "x")])
+    (root / name).mkdir(parents=True)
+    save_config(root / name / "config.json", dataclasses.replace(run, layout="pinned"), agent)
+    write_json(root / name / "summary.json", {
+        "env_steps": env_steps, "learner_steps": env_steps // 32, "wall_seconds": 300.0, "energy_kwh": 0.003,
+        "final_eval_return": 990.0, "exit_code": 0, "cpu_clock": "process", "worker_cpu_s": {"replay": env_steps * 4e-4},
+        "actor_time_s": {"env_step": 30.0, "inference": 60.0 if bits == 32 else 15.0, "adder": 70.0},
+        "actor_cpu_time_s": {"env_step": 28.0, "inference": 17.0 if bits == 32 else 10.0, "adder": 18.0}})
+    _evals([(20.0, 0, 0, 0, [100.0]), (wall_to_900, 1000, 500, 0, [950.0]), (300.0, 2000, 900, 1, [990.0])]).to_csv(
+        root / name / "eval.csv", index=False)
+    return name
+
+
+def test_report_draws_the_end_to_end_table_from_a_recorded_grid(tmp_path):
+    records = tmp_path / "records" / "rq3"
+    runs = [_e2e_run(records, 32, 200.0, 300_000), _e2e_run(records, 8, 150.0, 360_000)]
+    (records / "sweeps").mkdir()
+    (records / "sweeps" / "grid.json").write_text('{"threshold": 900.0, "command": "python benchmarks/end_to_end.py"}')
+    (records / "study.json").write_text('{"study": "rq3", "sources": {"grid": {"runs_collected": %s}}}'
+                                        % str(runs).replace("'", '"'))
+    results_md = tmp_path / "RESULTS.md"
+    results_md.write_text("<!-- report:rq3 -->\n<!-- /report:rq3 -->\n")
+    report = load_script("report")
+    assert report.main(["--records", str(tmp_path / "records"), "--results_md", str(results_md),
+                        "--figures", str(tmp_path / "figures")]) == 0
+    text = results_md.read_text()
+    assert _cell(text, ["8", "0"], "time to 900 (s)") == "150" and _cell(text, ["32", "0"], "time to 900 (s)") == "200"
+    # 200 / 150 s to target; 1200 / 1000 env steps per second; the service's 0.40 ms of CPU per env step.
+    assert "`time_to_target_speedup_q8` 1.33" in text and "`env_steps_per_s_ratio_q8` 1.2" in text
+    assert "The replay service's CPU: 0.40-0.40 ms per env step." in text
+    assert _cell(text, ["8", "0"], "actor ms per env step, wall / CPU: env step, inference, replay write") == \
+        "0.08 / 0.08, 0.04 / 0.03, 0.19 / 0.05"
+    assert (tmp_path / "figures" / "rq3_grid.png").read_bytes().startswith(b"\x89PNG")

@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, List, Optional
 
 import pandas as pd
 
 from actorq_jax.analysis.aggregate import time_to_target
 from actorq_jax.run_dir import RunDir
 from actorq_jax.telemetry import ACTOR_PHASES
+from actorq_jax.telemetry.schema import CPU_CLOCK
+
+BITS = (32, 8)  # the end-to-end comparison: full-precision actors against int8 ones
 
 
 def measure_run(run_dir: Path, threshold: float) -> Dict[str, Any]:
@@ -32,6 +36,8 @@ def measure_run(run_dir: Path, threshold: float) -> Dict[str, Any]:
     wall = float(summary["wall_seconds"])
     energy = float(summary.get("energy_kwh") or math.nan)
     phases = {p: float(summary.get("actor_time_s", {}).get(p, 0.0)) for p in ACTOR_PHASES}
+    # Per-phase CPU only from runs timed with the process clock (older runs timed one thread).
+    cpu = summary.get("actor_cpu_time_s") if summary.get("cpu_clock") == CPU_CLOCK else None
     return {
         "reached": reach.reached,
         "time_to_target_s": reach.wall_seconds,
@@ -42,7 +48,36 @@ def measure_run(run_dir: Path, threshold: float) -> Dict[str, Any]:
         # A run stopped before its evaluator's final evaluation has none: NaN, as for a miss.
         "final_return": _number(summary.get("final_eval_return")),
         "actor_phase_s": phases,
-        "bound_by": bottleneck(phases),
+        "bound_by": bottleneck(phases, cpu),
+    }
+
+
+def _mean(values: List[float]) -> float:
+    finite = [v for v in values if v == v]
+    return statistics.fmean(finite) if finite else math.nan
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b and a == a and b == b else math.nan
+
+
+def headline(rows: List[Dict[str, Any]], layout: str) -> Dict[str, float]:
+    """The end-to-end benchmark's keys for one layout from measure_run rows with layout and bits (BENCHMARKS.md):
+    q=8 over q=32 ratios; time and energy are means over the runs that reached the target."""
+    by_bits = {b: [r for r in rows if r["layout"] == layout and r["bits"] == b] for b in BITS}
+    mean = {b: {k: _mean([r[k] for r in by_bits[b]]) for k in
+                ("time_to_target_s", "energy_to_target_kwh", "env_steps_per_s", "learner_steps_per_s", "final_return")}
+            for b in BITS}
+    suffix = "" if layout == "pinned" else "_shared"
+    return {
+        f"time_to_target_speedup_q8{suffix}": _ratio(mean[32]["time_to_target_s"], mean[8]["time_to_target_s"]),
+        f"energy_to_target_ratio_q8{suffix}": _ratio(mean[32]["energy_to_target_kwh"], mean[8]["energy_to_target_kwh"]),
+        f"env_steps_per_s_ratio_q8{suffix}": _ratio(mean[8]["env_steps_per_s"], mean[32]["env_steps_per_s"]),
+        f"learner_steps_per_s_ratio_q8{suffix}": _ratio(mean[8]["learner_steps_per_s"], mean[32]["learner_steps_per_s"]),
+        f"final_return_q32{suffix}": mean[32]["final_return"],
+        f"final_return_q8{suffix}": mean[8]["final_return"],
+        f"runs_reached_target_q32{suffix}": float(sum(r["reached"] for r in by_bits[32])),
+        f"runs_reached_target_q8{suffix}": float(sum(r["reached"] for r in by_bits[8])),
     }
 
 
@@ -50,8 +85,13 @@ def _number(value: Any) -> float:
     return math.nan if value is None else float(value)
 
 
-def bottleneck(phases: Dict[str, float]) -> str:
-    """What bound the run, from its timers: the limiter (learner-bound actors), or the actors' largest phase."""
+def bottleneck(phases: Dict[str, float], cpu_phases: Optional[Dict[str, float]] = None) -> str:
+    """What bound the run, from its timers: the limiter (learner-bound actors), the actors' core, or their largest phase.
+
+    `cpu_phases` (the same phases' CPU seconds) tells a phase that computes from one
+    that waits for a core shared with other processes: actors that computed under
+    half of their working wall time were bound by CPU, not by any phase's work.
+    """
     total = sum(phases.values())
     if total <= 0:
         return "unknown (no actor episodes)"
@@ -61,4 +101,10 @@ def bottleneck(phases: Dict[str, float]) -> str:
     work = {p: s for p, s in phases.items() if p != "rate_limit_wait"}
     name = max(work, key=work.get)
     label = {"env_step": "env", "inference": "actor inference", "adder": "replay writes"}.get(name, f"variables ({name})")
-    return f"{label} ({work[name] / total:.0%} of actor time)"
+    largest = f"{label} ({work[name] / total:.0%} of actor time)"
+    working = sum(work.values())
+    if cpu_phases and working > 0:
+        busy = sum(float(cpu_phases.get(p, 0.0)) for p in work) / working
+        if busy < 0.5:
+            return f"CPU on the actors' cores (actors computing {busy:.0%} of their working time; largest phase {largest})"
+    return largest
