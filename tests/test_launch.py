@@ -62,6 +62,9 @@ def test_budget_run_leaves_a_complete_results_directory(tmp_path):
         assert key in summary, key
     assert summary["learner_steps"] == 300 and summary["counters_from"] == "final status report"
     assert summary["energy_kwh"] > 0 and summary["emissions_kg"] > 0
+    # Where the run's CPU went, per process: the replay service's as well as the learner's and the actor's.
+    assert set(summary["worker_cpu_s"]) == {"replay", "learner", "actor_0", "evaluator"}
+    assert all(seconds > 0.5 for seconds in summary["worker_cpu_s"].values()), summary["worker_cpu_s"]
     assert summary["final_eval_return"] == summary["final_eval_return"]  # not NaN: a final evaluation ran
     eval_rows = _rows(d / "eval.csv")
     assert {"wall_seconds", "env_steps", "learner_steps", "return", "policy"} <= set(eval_rows[0])

@@ -83,3 +83,32 @@ def test_the_stop_flag_a_signal_handler_sets_takes_no_lock():
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def test_cpu_meter_sums_a_workers_processes_and_skips_ended_ones():
+    from types import SimpleNamespace
+
+    from actorq_jax.launch.placement import CpuMeter, Placement
+
+    class Process:
+        def __init__(self, pid, exit_code=None):
+            self.pid, self.returncode = pid, exit_code
+
+        def poll(self):
+            return self.returncode
+
+    cpu = {101: 2.0, 102: 3.5, 103: 1.0}
+
+    class Counting(Placement):
+        def cpu_seconds(self, process):
+            return cpu[process.pid]
+
+    meter = CpuMeter(Counting(run=None, results_dir="."))
+    learner = SimpleNamespace(name="learner", process=Process(101))
+    actor = SimpleNamespace(name="actor_0", process=Process(102))
+    meter.sample([learner, actor])
+    cpu[101] = 4.0
+    actor.process = Process(103)  # restarted: its first process's 3.5 s stay counted
+    meter.sample([learner, actor, SimpleNamespace(name="evaluator", process=Process(104, exit_code=0))])
+    assert meter.by_worker() == {"learner": 4.0, "actor_0": 4.5}
+    assert CpuMeter(Placement(run=None, results_dir=".")).by_worker() == {}  # a backend that cannot tell: nothing

@@ -11,8 +11,8 @@ from actorq_jax.analysis.time_split import plot_time_split, time_split, time_spl
 def _runs() -> pd.DataFrame:
     base = {"agent": "d4pg", "task": "cartpole_balance", "layout": "pinned", "regime": "ratio 32", "complete": True}
     return pd.DataFrame([
-        {**base, "run": "a", "bits": 32, "cpu_clock": "process"},
-        {**base, "run": "b", "bits": 32, "cpu_clock": "process"},
+        {**base, "run": "a", "bits": 32, "cpu_clock": "process", "env_steps": 2000, "replay_cpu_s": 1.0},
+        {**base, "run": "b", "bits": 32, "cpu_clock": "process", "env_steps": 500, "replay_cpu_s": 1.0},
         {**base, "run": "c", "bits": 8, "cpu_clock": math.nan},  # timed before the process clock
     ])
 
@@ -46,10 +46,13 @@ def test_cells_are_means_over_runs_of_per_step_milliseconds_and_the_bound_is_nam
     assert math.isclose(q32["actor_cpu_ms"], 1.25)  # mean of 0.5 and 2.0
     assert math.isclose(q32["learner_wall_ms"], 25.0) and math.isclose(q32["learner_cpu_ms"], 15.0)
     assert math.isnan(q8["actor_cpu_ms"]) and math.isnan(q8["learner_cpu_ms"])  # one thread's clock: not shown
+    assert math.isclose(q32["service_cpu_ms"], 1.25)  # the service's CPU per env step: mean of 0.5 and 2.0 ms
+    assert math.isnan(q8["service_cpu_ms"])  # not measured
     assert q8["bound_by"].startswith("learner (actors blocked on the rate limiter 91%")
     assert q32["bound_by"].startswith("actor inference (100%")
     markdown = time_split_markdown(table)
     assert "| d4pg | cartpole_balance | pinned | ratio 32 | q=8 | 1 |" in markdown and "(-)" in markdown
+    assert "| 1.250 | 25.0 (15.0) |" in markdown
     assert plot_time_split(table) is not None
 
 

@@ -30,7 +30,7 @@ RUN_COLUMNS = (
     "run", "run_dir", "agent", "task", "bits", "comm_bits", "seed", "num_actors", "layout", "regime", "granularity",
     "actor_backend", "complete", "exit_code", "wall_seconds", "env_steps", "learner_steps",
     "env_steps_per_second", "energy_kwh", "emissions_kg", "final_eval_return", "best_eval_return",
-    "final_eval_return_actor_policy", "best_eval_return_actor_policy", "actor_episodes", "cpu_clock",
+    "final_eval_return_actor_policy", "best_eval_return_actor_policy", "actor_episodes", "cpu_clock", "replay_cpu_s",
 ) + tuple(f"actor_{p}_s" for p in PHASES)
 # Run metadata copied onto every row of the per-run streams.
 META_COLUMNS = ("run", "task", "bits", "seed")
@@ -112,6 +112,8 @@ def read_run(run_dir: PathLike) -> Dict[str, Any]:
                     "final_eval_return_actor_policy", "best_eval_return_actor_policy", "actor_episodes", "cpu_clock"):
             if key in summary:
                 row[key] = _nan_if_none(summary[key])
+        # The replay service's CPU seconds (launcher-measured; runs before that, or under Ray: NaN).
+        row["replay_cpu_s"] = _nan_if_none((summary.get("worker_cpu_s") or {}).get("replay"))
         for phase, seconds in (summary.get("actor_time_s") or {}).items():
             if phase in PHASES:
                 row[f"actor_{phase}_s"] = _nan_if_none(seconds)

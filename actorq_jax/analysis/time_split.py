@@ -63,11 +63,14 @@ def time_split(runs: pd.DataFrame, actors: pd.DataFrame, learner: pd.DataFrame) 
         row["phase_s"] = _phase_seconds(episodes)
         row.update(_actor_split(episodes, row["phase_s"]))
         row.update(_learner_split(learner[learner["run"] == run.run] if not learner.empty else learner))
+        # What serving the actors and the learner cost the replay service, per env step (not an actor phase).
+        service_s, env_steps = getattr(run, "replay_cpu_s", math.nan), getattr(run, "env_steps", math.nan)
+        row["service_cpu_ms"] = 1000.0 * service_s / env_steps if env_steps and env_steps == env_steps else math.nan
         if run.cpu_clock != CPU_CLOCK:  # an older run timed one thread only, missing XLA's: no CPU figure
             row["actor_cpu_ms"] = row["learner_cpu_ms"] = math.nan
         rows.append(row)
     columns = GROUP + ["runs"] + [f"actor_{p}_ms" for p in PHASES] + [
-        "actor_wall_ms", "actor_cpu_ms", "learner_wall_ms", "learner_cpu_ms", "bound_by"]
+        "actor_wall_ms", "actor_cpu_ms", "service_cpu_ms", "learner_wall_ms", "learner_cpu_ms", "bound_by"]
     if not rows:
         return pd.DataFrame(columns=columns)
     frame = pd.DataFrame(rows)
@@ -89,13 +92,13 @@ def _or_dash(value: float, pattern: str) -> str:
 def time_split_markdown(table: pd.DataFrame) -> str:
     """The table of record: ms per step by phase (actors) and CPU against the rest (learner), and the bound."""
     header = (["agent", "task", "layout", "regime", "actor bits", "runs"] + [p.replace("_", " ") for p in PHASES]
-              + ["actor wall (CPU)", "learner step wall (CPU)", "bound by"])
+              + ["actor wall (CPU)", "replay service CPU", "learner step wall (CPU)", "bound by"])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in table.itertuples(index=False):
         phases = [f"{getattr(r, f'actor_{p}_ms'):.3f}" for p in PHASES]
         lines.append("| " + " | ".join([
             r.agent, r.task, r.layout, r.regime, f"q={r.bits}", str(r.runs), *phases,
-            f"{r.actor_wall_ms:.3f} ({_or_dash(r.actor_cpu_ms, '.3f')})",
+            f"{r.actor_wall_ms:.3f} ({_or_dash(r.actor_cpu_ms, '.3f')})", _or_dash(r.service_cpu_ms, ".3f"),
             f"{r.learner_wall_ms:.1f} ({_or_dash(r.learner_cpu_ms, '.1f')})",
             r.bound_by]) + " |")
     return "\n".join(lines)

@@ -29,7 +29,15 @@ from actorq_jax.launch import runtime
 from actorq_jax.launch.channel import FileChannel, RunChannel, make_channel
 from actorq_jax.launch.checkpoint import read_counters
 from actorq_jax.launch.config import RunConfig, save_config
-from actorq_jax.launch.placement import LAUNCHERS, LocalPlacement, Placement, WorkerProcess, ended, how_it_ended
+from actorq_jax.launch.placement import (
+    LAUNCHERS,
+    CpuMeter,
+    LocalPlacement,
+    Placement,
+    WorkerProcess,
+    ended,
+    how_it_ended,
+)
 from actorq_jax.run_dir import RunDir
 from actorq_jax.telemetry.tensorboard import TensorBoardExport
 
@@ -69,6 +77,7 @@ class Launcher:
         self.events: List[str] = []
         # Where workers run (local subprocesses or Ray actors); everything else here is the same for both.
         self.placement: Placement = make_placement(run, self.results_dir)
+        self.cpu = CpuMeter(self.placement)
         # Status: files until the service is placed, then the run's channel (under Ray: recorded into status/).
         self.record = FileChannel(self.results_dir)
         self.channel: RunChannel = self.record
@@ -94,6 +103,7 @@ class Launcher:
 
     def _terminate(self, workers: List[Worker], timeout_s: float) -> None:
         """SIGTERMs the workers (an orderly stop) and waits up to `timeout_s` (0: does not wait) before killing."""
+        self.cpu.sample(workers)
         for w in workers:
             if w.process is not None and not ended(w.process):
                 w.process.send_signal(signal.SIGTERM)
@@ -213,6 +223,7 @@ class Launcher:
         seen_steps, seen_at = -1, time.monotonic()
         actors = [w for w in self.workers if w.role == "actor"]
         while not self.stop.wait(0.25):
+            self.cpu.sample(self.workers)
             if ended(replay.process) and not self._restart(replay, run.max_replay_restarts, "address"):
                 return 1
             if learner.process.poll() == runtime.EXIT_DIVERGED:
@@ -388,6 +399,7 @@ class Launcher:
         summary["actor_episodes"] = episodes
         summary["actor_time_s"] = totals
         summary["actor_cpu_time_s"] = cpu  # beside the wall time: what the actors' threads computed
+        summary["worker_cpu_s"] = self.cpu.by_worker()  # each process's CPU, the replay service's included
         for role in ("learner", "replay"):
             summary[f"{role}_restarts"] = next((w.restarts for w in self.workers if w.role == role), 0)
         return summary

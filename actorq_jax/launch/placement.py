@@ -20,7 +20,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Protocol
+from typing import Any, Dict, List, Optional, Protocol, Tuple
 
 from actorq_jax.run_dir import RunDir
 
@@ -98,6 +98,10 @@ class Placement:
         # Machine mode: per-process tracking would miss the other processes of the run.
         return EnergyTracker(self.results_dir, country_iso_code=country, tracking_mode="machine")
 
+    def cpu_seconds(self, process: WorkerProcess) -> Optional[float]:
+        """CPU seconds (user + system) a running worker has used so far; None where this backend cannot tell."""
+        return None
+
     def collect(self) -> None:
         """Writes what workers sent through the replay service (rows, checkpoints) into the results directory now,
         while the service is still up (nothing to do locally: workers write there themselves)."""
@@ -121,6 +125,45 @@ class LocalPlacement(Placement):
     def service_address(self, port: int) -> str:
         """Local workers reach the replay service on localhost at the run's port."""
         return f"localhost:{port}"
+
+    def cpu_seconds(self, process: WorkerProcess) -> Optional[float]:
+        """The subprocess's CPU seconds from /proc (None once it has exited)."""
+        import psutil
+
+        try:
+            times = psutil.Process(process.pid).cpu_times()
+        except psutil.Error:
+            return None
+        return times.user + times.system
+
+
+class CpuMeter:
+    """CPU seconds of each worker of a run, summed over its processes (restarts included).
+
+    Sampled while the workers run (the launcher samples every quarter second and before it signals a
+    worker to stop), so up to one sampling period at the end of each process is missed. It shows where
+    a run's CPU went (the replay service's share, for instance), which the per-phase timers cannot.
+    """
+
+    def __init__(self, placement: Placement):
+        self.placement = placement
+        self._last: Dict[Tuple[str, int], float] = {}
+
+    def sample(self, workers: List[Any]) -> None:
+        """Records each running worker's CPU so far (workers: objects with .name and .process)."""
+        for worker in workers:
+            if worker.process is None or ended(worker.process):
+                continue
+            seconds = self.placement.cpu_seconds(worker.process)
+            if seconds is not None:
+                self._last[(worker.name, worker.process.pid)] = seconds
+
+    def by_worker(self) -> Dict[str, float]:
+        """CPU seconds per worker name (every process that ran under that name); empty where the backend cannot tell."""
+        totals: Dict[str, float] = {}
+        for (name, _), seconds in self._last.items():
+            totals[name] = totals.get(name, 0.0) + seconds
+        return totals
 
 
 def ended(process: WorkerProcess) -> bool:
