@@ -79,18 +79,23 @@ def render_rq2(study_dir: Path, figures_dir: Path, figure_link: str) -> str:
 
 
 def render_rq4(study_dir: Path, figures_dir: Path, figure_link: str) -> str:
-    """RQ4's table (where actor and learner time goes, per layout, regime and bits) and figure from a record set."""
+    """RQ4's table (where actor and learner time goes, per layout, regime and bits) and figure from a record set,
+    together with the end-to-end grids recorded for RQ3 (study rq3 beside it), which add their layouts."""
     from actorq_jax.analysis.time_split import plot_time_split, time_split, time_split_markdown
 
-    sweep = analysis.load_sweep(study_dir)
-    table = time_split(sweep.runs, sweep.actors, sweep.learner)
-    lines = _provenance(study_dir, int(sweep.runs["complete"].sum()))
+    studies = [study_dir] + [d for d in (study_dir.parent / "rq3",) if d.is_dir()]
+    runs = analysis.load_runs([run for d in studies for run in analysis.find_run_dirs(d)])
+    table = time_split(runs, analysis.load_actor_episodes(runs), analysis.load_learner(runs))
+    lines: List[str] = []
+    for d in studies:
+        lines += ([""] if lines else []) + _provenance(d, int(analysis.load_runs(analysis.find_run_dirs(d))["complete"].sum()))
     lines += ["", time_split_markdown(table), ""]
     lines.append("Actor phases: ms of wall time per env step, mean over runs; in brackets the actor process's CPU "
-                 "per env step. Learner: ms of wall time per SGD step after its first log row, in brackets its "
-                 "process's CPU per step. \"-\": the run's timers took one thread's CPU only (before the process "
-                 "clock), which misses XLA's compute threads. Bound by: the summed actor phases (the rate limiter "
-                 "above 30% of actor time means the learner bounds the run).")
+                 "per env step. Replay service CPU: the service process's CPU per env step (measured by the "
+                 "launcher since the end-to-end grids; \"-\": not measured). Learner: ms of wall time per SGD step "
+                 "after its first log row, in brackets its process's CPU per step. \"-\": the run's timers took one "
+                 "thread's CPU only (before the process clock), which misses XLA's compute threads. Bound by: the "
+                 "summed actor phases (the rate limiter above 30% of actor time means the learner bounds the run).")
     if not table.empty:
         analysis.save_figure(plot_time_split(table), figures_dir / "rq4_time_split.png")
         lines += ["", f"![where actor and learner time goes]({figure_link}rq4_time_split.png)"]

@@ -173,6 +173,14 @@ def test_collect_records_finished_runs_without_checkpoints_or_logs(tmp_path):
     source = analysis.read_study(tmp_path / "records" / "rq4")["sources"]
     assert list(source) == ["sweep"] and source["sweep"]["command"] == "python experiments/sweep.py"
     assert source["sweep"]["runs_collected"] == [finished.name]
+    # Another source with a run of the same name: both are kept, the newcomer's under its source's name.
+    other = tmp_path / "other_grid" / finished.name
+    _copy_run(finished, other)
+    assert [p.name for p in analysis.collect(other.parent, tmp_path / "records", "rq4")] == [f"other_grid_{finished.name}"]
+    sources = analysis.read_study(tmp_path / "records" / "rq4")["sources"]
+    assert sources["sweep"]["runs_collected"] == [finished.name]
+    assert sources["other_grid"]["runs_collected"] == [f"other_grid_{finished.name}"]
+    assert (tmp_path / "records" / "rq4" / finished.name / "summary.json").is_file()
 
 
 def _e2e_run(root: Path, bits: int, wall_to_900: float, env_steps: int) -> str:

@@ -60,19 +60,23 @@ def collect(source: PathLike, records_root: PathLike, study: str) -> List[Path]:
         raise ValueError(f"study must be a plain folder name, got {study!r}")
     out = Path(records_root) / study
     out.mkdir(parents=True, exist_ok=True)
+    # One run of a sweep, collected on its own, is recorded under its sweep (its command is the sweep's).
+    home = src.parent if is_run_dir(src) and (src.parent / SWEEP_INDEX).is_file() else src
+    # Another source's run of the same name (two end-to-end grids both have d4pg_pinned_q8_s0) is kept:
+    # this source's copy is recorded under "<source>_<run>".
+    taken = {name for source_name, info in _read_index(out / STUDY_INDEX).get("sources", {}).items()
+             if source_name != home.name for name in info.get("runs_collected", [])}
     written = []
     for run_dir in find_run_dirs(src):
         if not RunDir(run_dir).summary.is_file():
             continue
-        target = out / run_dir.name
+        target = out / (run_dir.name if run_dir.name not in taken else f"{home.name}_{run_dir.name}")
         if target.exists():
             shutil.rmtree(target)
         for relative in record_files(run_dir):
             (target / relative).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(run_dir / relative, target / relative)
         written.append(target)
-    # One run of a sweep, collected on its own, is recorded under its sweep (its command is the sweep's).
-    home = src.parent if is_run_dir(src) and (src.parent / SWEEP_INDEX).is_file() else src
     sweep_index = _read_index(home / SWEEP_INDEX)
     if sweep_index:
         (out / "sweeps").mkdir(exist_ok=True)

@@ -23,9 +23,19 @@ from actorq_jax.telemetry.schema import CPU_CLOCK
 GROUP = ["agent", "task", "layout", "regime", "bits"]
 
 
-def _phase_seconds(episodes: pd.DataFrame) -> Dict[str, float]:
-    """Each phase's wall seconds over one run's actor episodes (a phase a run did not time counts zero)."""
-    return {p: float(episodes[f"{p}_s"].fillna(0.0).sum()) if f"{p}_s" in episodes.columns else 0.0 for p in PHASES}
+def _phase_seconds(episodes: pd.DataFrame, suffix: str = "_s") -> Dict[str, float]:
+    """Each phase's seconds (wall, or CPU with suffix "_cpu_s") over one run's actor episodes (a phase a run did
+    not time counts zero)."""
+    return {p: float(episodes[f"{p}{suffix}"].fillna(0.0).sum()) if f"{p}{suffix}" in episodes.columns else 0.0
+            for p in PHASES}
+
+
+def _bound(group: pd.DataFrame) -> str:
+    """What bound a group's runs, from their summed actor phases (their CPU too where every run has it)."""
+    wall = {p: sum(s[p] for s in group["phase_s"]) for p in PHASES}
+    cpus = list(group["phase_cpu_s"])
+    cpu = {p: sum(c[p] for c in cpus) for p in PHASES} if all(c is not None for c in cpus) else None
+    return bottleneck(wall, cpu)
 
 
 def _actor_split(episodes: pd.DataFrame, phase_s: Dict[str, float]) -> Dict[str, float]:
@@ -61,6 +71,8 @@ def time_split(runs: pd.DataFrame, actors: pd.DataFrame, learner: pd.DataFrame) 
             continue
         row = {k: getattr(run, k) for k in GROUP}
         row["phase_s"] = _phase_seconds(episodes)
+        # CPU per phase only from the process clock (one thread's clock missed XLA's threads).
+        row["phase_cpu_s"] = _phase_seconds(episodes, "_cpu_s") if run.cpu_clock == CPU_CLOCK else None
         row.update(_actor_split(episodes, row["phase_s"]))
         row.update(_learner_split(learner[learner["run"] == run.run] if not learner.empty else learner))
         # What serving the actors and the learner cost the replay service, per env step (not an actor phase).
@@ -78,8 +90,7 @@ def time_split(runs: pd.DataFrame, actors: pd.DataFrame, learner: pd.DataFrame) 
     grouped = frame.groupby(GROUP, sort=False)
     table = grouped[numeric].mean()
     table["runs"] = grouped.size()
-    table["bound_by"] = grouped["phase_s"].apply(
-        lambda splits: bottleneck({p: sum(s[p] for s in splits) for p in PHASES}))
+    table["bound_by"] = grouped[["phase_s", "phase_cpu_s"]].apply(_bound)
     table = table.reset_index()
     order = table.sort_values(["agent", "task", "layout", "regime", "bits"], ascending=[True, True, True, True, False])
     return order.reset_index(drop=True)[columns]
@@ -104,6 +115,12 @@ def time_split_markdown(table: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
+def _short_bound(bound_by: str) -> str:
+    """The bound in a word or two, for a bar's label."""
+    head = bound_by.split(" (")[0]
+    return "actors' core" if head.startswith("CPU on the actors") else head
+
+
 def plot_time_split(table: pd.DataFrame) -> Figure:
     """Per agent and task: stacked actor ms per env step by phase, and the learner's ms per SGD step (CPU and rest),
     one bar per layout, regime and bit-width."""
@@ -114,7 +131,7 @@ def plot_time_split(table: pd.DataFrame) -> Figure:
     axes = fig.subplots(len(cases), 2, squeeze=False)
     for (ax_actor, ax_learner), (agent, task) in zip(axes, cases):
         rows = table[(table["agent"] == agent) & (table["task"] == task)]
-        labels = [f"{r.layout}, {r.regime}\nq={r.bits}\nbound: {r.bound_by.split(' (')[0]}"
+        labels = [f"{r.layout}\n{r.regime}\nq={r.bits}\nbound: {_short_bound(r.bound_by)}"
                   for r in rows.itertuples(index=False)]
         x = np.arange(len(rows))
         bottom = np.zeros(len(rows))
@@ -135,7 +152,7 @@ def plot_time_split(table: pd.DataFrame) -> Figure:
         if (~known).any():  # runs timed before the process clock: the step's wall time only
             ax_learner.bar(x[~known], wall[~known], color="#8c8c8c", hatch="//", label="SGD step (CPU not recorded)")
         for ax, unit in ((ax_actor, "ms per actor env step"), (ax_learner, "ms per learner SGD step")):
-            ax.set_xticks(x, labels, fontsize="small")
+            ax.set_xticks(x, labels, fontsize="small" if len(rows) <= 4 else "x-small")
             ax.set_ylabel(unit)
             ax.grid(axis="y", alpha=0.3)
         ax_actor.set_title(f"{agent} {task}: actors")
