@@ -8,6 +8,8 @@ import pytest
 
 from actorq_jax.launch.channel import (
     ROLES,
+    SEQ_KEY,
+    WRITER_KEY,
     FileChannel,
     RecordedChannel,
     ServiceChannel,
@@ -16,6 +18,7 @@ from actorq_jax.launch.channel import (
     status_table,
 )
 from actorq_jax.launch.runtime import free_port
+from actorq_jax.replay.messages import send_message
 
 
 def test_file_channel_reads_what_was_reported(tmp_path):
@@ -73,6 +76,23 @@ def test_service_channel_on_a_real_server(tmp_path):
         recorded.report("launcher", {"start_time": 1.5})
         assert writer.read("launcher") == {"start_time": 1.5}
         assert FileChannel(tmp_path).read("launcher") == {"start_time": 1.5}
+        # A report that timed out can land after a newer one: readers keep the newer one.
+        import reverb
+
+        client = reverb.Client(f"127.0.0.1:{port}")
+        learner = ServiceChannel(f"localhost:{port}")
+        learner.report("learner", {"env_steps": 2000})
+        assert reader.read("learner") == {"env_steps": 2000}
+        send_message(client, status_table("learner"), {"env_steps": 1694, WRITER_KEY: learner._writer, SEQ_KEY: 0}, 5)
+        assert reader.read("learner") == {"env_steps": 2000}
+        # A restarted learner's channel is a new writer: its reports count, and the old one's are stale from then on.
+        restarted = ServiceChannel(f"localhost:{port}")
+        restarted.report("learner", {"env_steps": 1500})
+        assert reader.read("learner") == {"env_steps": 1500}
+        send_message(client, status_table("learner"), {"env_steps": 2100, WRITER_KEY: learner._writer, SEQ_KEY: 9}, 5)
+        assert reader.read("learner") == {"env_steps": 1500}
+        restarted.report("learner", {"env_steps": 1600})
+        assert reader.read("learner") == {"env_steps": 1600}
     finally:
         server.stop()
     # A server that is gone reads as no report yet, and a report to it is dropped, not an error.

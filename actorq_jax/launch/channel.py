@@ -12,6 +12,7 @@ so the results directory has the same files as a local run's.
 
 import json
 import logging
+import uuid
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Protocol
 
@@ -22,6 +23,9 @@ log = logging.getLogger(__name__)
 ROLES = ("launcher", "replay", "learner")
 # How long one read or report waits for the server (a reader polls; a report is retried at the next one).
 CALL_TIMEOUT_S = 2
+# Stamps on each report in a status table: which channel wrote it and its count there. A report that timed
+# out can still land after a newer one (its insert was in flight when the writer gave up), replacing it.
+WRITER_KEY, SEQ_KEY = "_channel_writer", "_channel_seq"
 
 
 class RunChannel(Protocol):
@@ -78,6 +82,10 @@ class ServiceChannel:
     def __init__(self, address: str):
         self.address = address
         self._client: Any = None
+        self._writer = uuid.uuid4().hex  # this channel's reports carry it with a count, so readers can order them
+        self._sent = 0
+        self._newest: Dict[str, Dict[str, Any]] = {}  # per role: the newest report read (stamps included)
+        self._retired: Dict[str, set] = {}  # per role: writers replaced by a newer one (a restarted worker's)
 
     def _connected(self) -> Any:
         import reverb
@@ -93,8 +101,10 @@ class ServiceChannel:
         from actorq_jax.replay.messages import send_message
         from actorq_jax.telemetry.jsonio import to_jsonable
 
+        self._sent += 1
+        stamped = {**to_jsonable(status), WRITER_KEY: self._writer, SEQ_KEY: self._sent}
         try:
-            send_message(self._connected(), status_table(role), to_jsonable(status), CALL_TIMEOUT_S)
+            send_message(self._connected(), status_table(role), stamped, CALL_TIMEOUT_S)
         except (reverb.DeadlineExceededError, RuntimeError) as error:
             self._client = None  # a channel that saw its server go backs off: a fresh one next time
             log.warning("the %s report did not reach %s: %s", role, self.address, error)
@@ -112,10 +122,24 @@ class ServiceChannel:
                 return {}
             # Size-1 tables never empty once filled (an insert replaces the item), so this sample cannot block.
             sample = next(client.sample(table, num_samples=1, emit_timesteps=False))
-            return decode_message(sample.data[0])
+            report = self._newer(role, decode_message(sample.data[0]))
         except (reverb.DeadlineExceededError, RuntimeError, ConnectionError, KeyError, ValueError):
             self._client = None
             return {}
+        return {k: v for k, v in report.items() if k not in (WRITER_KEY, SEQ_KEY)}
+
+    def _newer(self, role: str, report: Dict[str, Any]) -> Dict[str, Any]:
+        """`report`, unless it is older than the newest read before (then that one): a late report never wins."""
+        newest = self._newest.get(role)
+        writer, seq = report.get(WRITER_KEY), report.get(SEQ_KEY, 0)
+        retired = self._retired.setdefault(role, set())
+        if newest is not None and writer is not None:
+            if writer in retired or (writer == newest.get(WRITER_KEY) and seq < newest.get(SEQ_KEY, 0)):
+                return newest
+            if writer != newest.get(WRITER_KEY):  # a new writer (a restarted worker): the old one's reports are stale
+                retired.add(newest.get(WRITER_KEY))
+        self._newest[role] = report
+        return report
 
 
 class RecordedChannel:
