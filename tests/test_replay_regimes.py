@@ -142,3 +142,29 @@ def test_adder_reports_the_time_the_rate_limiter_held_it():
         learner.join(30)
     # The write itself (the rest of `total`) is never negative, and the hold shows up as wait.
     assert 0.8 * held_s <= adder.wait_s <= total
+
+
+@pytest.mark.process
+@pytest.mark.timeout(120)
+def test_an_episode_whose_items_the_limiter_held_past_the_timeout_leaves_the_next_episode_writable():
+    from actorq_jax.replay import NStepAdder, WriteTimeout
+
+    # Ratio 1 with a small buffer and no learner: after a few items, the server holds every insert.
+    builder = _d4pg_builder(samples_per_insert=1.0, min_replay_size=2)
+    table = dataclasses.replace(builder.replay_config(), error_tolerance=2.0)
+    action = np.zeros_like(builder.example_action())
+    with ReplayServer([make_replay_table(table, np.zeros(OBS_DIM, np.float32), builder.example_action())]) as server:
+        adder = NStepAdder(server.client(), "replay", n_step=2, discount=0.9, max_in_flight_items=1000, timeout_s=0.5)
+        with pytest.raises(WriteTimeout):
+            adder.add_first(_timestep(0, 0.0))
+            for t in range(1, 40):  # the limiter holds the items; the episode's end waits past the timeout
+                adder.add(action, _timestep(2 if t == 39 else 1, float(t)))
+        assert adder.episodes == 1
+        # The next episode (the actor goes on once the learner is back) references its own steps, not the old
+        # episode's released ones (which failed with "TrajectoryColumns cannot contain any None data references").
+        written = adder.items_written
+        adder.add_first(_timestep(0, 100.0))
+        for t in range(1, 4):
+            adder.add(action, _timestep(1, 100.0 + t))
+        assert adder.items_written == written + 1  # o_0 -> o_2 (n = 2; o_3 is pending until the next action)
+        adder.close(flush=False)

@@ -215,8 +215,16 @@ class NStepAdder:
     def _end_episode(self, timeout_s: Optional[float] = None) -> None:
         timeout_ms = _timeout_ms(timeout_s, self._timeout_ms)
         self._flushed_at = self.items_written
-        self._wait_for_server(lambda: self._writer.end_episode(clear_buffers=True, timeout_ms=timeout_ms),
-                              "the episode's items", timeout_ms)
+        try:
+            self._wait_for_server(lambda: self._writer.end_episode(clear_buffers=True, timeout_ms=timeout_ms),
+                                  "the episode's items", timeout_ms)
+        except WriteTimeout:
+            # When the wait runs out, Reverb's writer still starts a new episode (its items go on in the
+            # background) but raises before clearing its Python-side column history, so the next episode's
+            # step k would name the old episode's released step k (a None reference). Clear it as it would.
+            for column in getattr(self._writer, "_column_history", ()):
+                column.reset()
+            raise
 
     def _flush(self, pending: int, timeout_s: Optional[float] = None) -> None:
         timeout_ms = _timeout_ms(timeout_s, self._timeout_ms)
