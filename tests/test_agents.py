@@ -1,6 +1,7 @@
 """The agent contract and registry: a new agent defined here runs through flags, config.json and the builder."""
 
 import dataclasses
+import subprocess
 import sys
 from typing import Optional, Tuple
 
@@ -9,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from launch_support import ENV, ROOT
 
 from actorq_jax.agents.builder import AgentBuilder
 from actorq_jax.agents.d4pg.config import D4PGConfig
@@ -319,3 +321,26 @@ def test_modules_named_in_the_environment_register_agents_at_discovery(monkeypat
     monkeypatch.setenv(registry.AGENT_MODULES_ENV, "no_such_agent_module")
     with pytest.raises(ImportError, match="ACTORQ_AGENT_MODULES names module 'no_such_agent_module'"):
         agent_names()
+
+
+ACTING_ONLY = """
+import sys
+from actorq_jax.agents.registry import get_agent
+from actorq_jax.environments import environment_spec, make_environment
+for name in ("d4pg", "dqn"):
+    entry = get_agent(name)
+    builder = entry.make_builder(entry.config_class(), environment_spec(make_environment(entry.default_task, seed=0)))
+    builder.vector_behaviour_policy(0, 2, 1), builder.greedy_policy(), builder.item_signature()
+print(sorted(m for m in ("rlax", "optax", "distrax") if m in sys.modules))
+"""
+
+
+@pytest.mark.process
+@pytest.mark.timeout(120)
+def test_building_what_actors_run_imports_no_loss_code():
+    # Every actor, evaluator and replay service pays for each import at start-up; rlax and its distributions
+    # are the learner's alone.
+    out = subprocess.run([sys.executable, "-c", ACTING_ONLY], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                         timeout=110)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout

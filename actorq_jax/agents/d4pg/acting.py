@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from actorq_jax.agents.builder import GreedyPolicy, VectorPolicy
-from actorq_jax.agents.d4pg.learning import D4PGNetworks
+from actorq_jax.agents.d4pg.networks import D4PGNetworks
 
 
 def make_vector_behaviour_policy(networks: D4PGNetworks, sigmas: Sequence[float]) -> VectorPolicy:

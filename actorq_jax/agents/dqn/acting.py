@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from actorq_jax.agents.builder import GreedyPolicy, VectorPolicy
-from actorq_jax.agents.dqn.learning import DQNNetworks
+from actorq_jax.agents.dqn.networks import DQNNetworks
 
 
 def make_vector_behaviour_policy(networks: DQNNetworks, epsilons: Sequence[float]) -> VectorPolicy:

@@ -10,16 +10,11 @@ import rlax
 
 from actorq_jax.agents.builder import Metrics, SgdStep
 from actorq_jax.agents.dqn.config import DQNConfig
+from actorq_jax.agents.dqn.networks import DQNNetworks, make_networks  # noqa: F401 (re-exported)
 from actorq_jax.agents.optimizers import clipped_adam
 from actorq_jax.environments import EnvironmentSpec
 from actorq_jax.networks import QNetwork
 from actorq_jax.replay import ReplayBatch, Transition
-
-
-class DQNNetworks(NamedTuple):
-    """The Q-network (the module actors run)."""
-
-    q: QNetwork
 
 
 class DQNOptimizers(NamedTuple):
@@ -35,13 +30,6 @@ class TrainingState(NamedTuple):
     target_params: chex.ArrayTree
     opt_state: chex.ArrayTree
     steps: jnp.ndarray  # int32 scalar: SGD steps taken
-
-
-def make_networks(config: DQNConfig, spec: EnvironmentSpec) -> DQNNetworks:
-    """The Q-network: observation -> one value per discrete action."""
-    if not spec.discrete:
-        raise ValueError("DQN needs a discrete-action task (e.g. CartPole-v1); use D4PG for continuous actions")
-    return DQNNetworks(q=QNetwork(num_actions=int(spec.num_actions), layer_sizes=tuple(config.q_layers)))
 
 
 def make_optimizers(config: DQNConfig) -> DQNOptimizers:
