@@ -10,10 +10,11 @@ export ACTORQ_REQUIRE_KERNEL="${ACTORQ_REQUIRE_KERNEL:-1}"
 export MUJOCO_GL="${MUJOCO_GL:-disable}"
 # Lint and import order first (configured in pyproject.toml): a finding fails the run.
 .venv/bin/ruff check .
-# One test at a time by default: on 2 cores two launcher runs at once starve each other past their
-# deadlines. ACTORQ_TEST_WORKERS=N runs N pytest-xdist workers on a machine with the cores for them
-# (tests/conftest.py collects the long modules first; `xdist_group` keeps shared fixtures together).
-if [ "${ACTORQ_TEST_WORKERS:-1}" -gt 1 ]; then
-  exec .venv/bin/python -m pytest -n "$ACTORQ_TEST_WORKERS" --dist loadgroup tests "$@"
+# Two pytest-xdist workers where there are two cores (CI has 2): half the suite's time is launcher runs waiting on
+# restarts, timeouts and their own start-up, which the other worker fills. ACTORQ_TEST_WORKERS=N sets N (1: serial).
+# tests/conftest.py collects the long modules first; `xdist_group` keeps a module's shared fixture on one worker.
+WORKERS="${ACTORQ_TEST_WORKERS:-$(( $(nproc) >= 2 ? 2 : 1 ))}"
+if [ "$WORKERS" -gt 1 ]; then
+  exec .venv/bin/python -m pytest -n "$WORKERS" --dist loadgroup tests "$@"
 fi
 exec .venv/bin/python -m pytest tests "$@"

@@ -4,6 +4,7 @@ runs (launcher, learner, actors) on localhost."""
 import atexit
 import importlib.util
 import json
+import os
 import secrets
 import shutil
 import subprocess
@@ -24,9 +25,13 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"  # scripts, not a package: tests import them with this on sys.path
 # One persistent XLA compilation cache for the test run and every process it starts: the suite's ~50 launcher
 # runs compile the same tiny networks in each of their workers; with the cache, only the first compiles
-# (about 20% less CPU and wall time per tiny run on 2 cores). Removed when the test process exits.
-COMPILATION_CACHE = tempfile.mkdtemp(prefix="actorq-jax-test-xla-cache-")
-atexit.register(shutil.rmtree, COMPILATION_CACHE, ignore_errors=True)
+# (about 20% less CPU and wall time per tiny run on 2 cores). The pytest process that makes it removes it at exit;
+# pytest-xdist workers inherit its name through the environment and share it.
+_CACHE_VAR = "ACTORQ_TEST_XLA_CACHE"
+COMPILATION_CACHE = os.environ.get(_CACHE_VAR) or tempfile.mkdtemp(prefix="actorq-jax-test-xla-cache-")
+if _CACHE_VAR not in os.environ:
+    os.environ[_CACHE_VAR] = COMPILATION_CACHE
+    atexit.register(shutil.rmtree, COMPILATION_CACHE, ignore_errors=True)
 # Set for the whole test run (conftest.py) and for every process a test starts: no display, quiet TensorFlow,
 # the compilation cache (every compile, however short: the tiny networks compile in well under JAX's 1 s default).
 SHARED_ENV = {"MUJOCO_GL": "disable", "TF_CPP_MIN_LOG_LEVEL": "2", "JAX_COMPILATION_CACHE_DIR": COMPILATION_CACHE,

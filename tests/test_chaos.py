@@ -11,7 +11,9 @@ pytestmark = [pytest.mark.process, pytest.mark.slow]
 
 @pytest.mark.timeout(900)
 def test_quick_chaos_soak_loses_nothing(tmp_path):
-    proc = subprocess.run([sys.executable, "experiments/chaos.py", "--quick", "--results_dir", str(tmp_path / "soak")],
+    # Two actors: one can be killed while the other goes on, and the soak starts two processes fewer than its default.
+    proc = subprocess.run([sys.executable, "experiments/chaos.py", "--quick", "--num_actors", "2",
+                           "--results_dir", str(tmp_path / "soak")],
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=840)
     out = proc.stdout
     for event in ("SIGKILL actor", "SIGKILL learner", "SIGKILL replay service", "stopped the run", "resuming",
