@@ -27,7 +27,8 @@ SWEEP_INDEX = "sweep.json"
 
 # Columns every runs frame has, so empty or partial sweeps still slice and aggregate.
 RUN_COLUMNS = (
-    "run", "run_dir", "agent", "task", "bits", "comm_bits", "seed", "num_actors", "layout", "regime", "granularity",
+    "run", "run_dir", "agent", "task", "bits", "comm_bits", "seed", "num_actors", "actors", "layout", "regime",
+    "granularity",
     "actor_backend", "complete", "exit_code", "wall_seconds", "env_steps", "learner_steps",
     "env_steps_per_second", "energy_kwh", "emissions_kg", "final_eval_return", "best_eval_return",
     "final_eval_return_actor_policy", "best_eval_return_actor_policy", "actor_episodes", "cpu_clock", "replay_cpu_s",
@@ -97,6 +98,8 @@ def read_run(run_dir: PathLike) -> Dict[str, Any]:
         "comm_bits": int(run["actor_bits"] if comm_bits is None else comm_bits),
         "seed": int(run.get("seed", 0)),
         "num_actors": run.get("num_actors"),
+        # The actor layout: processes x environments each ("2x1": two single-environment actors).
+        "actors": f"{run.get('num_actors')}x{run.get('envs_per_actor', 1)}",
         "layout": run.get("layout", "shared"),  # runs from before --layout shared every core
         "regime": _regime(agent),
         "granularity": run.get("granularity"),
