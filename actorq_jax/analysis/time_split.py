@@ -1,5 +1,5 @@
 """Where the time of a run goes (RQ4): actor milliseconds per env step by phase, learner milliseconds per SGD
-step (CPU against the rest), per agent, task, layout, replay regime and actor bit-width; and its figure.
+step (CPU against the rest), per agent, task, layout, actor layout, replay regime, actor and wire bit-width; and its figure.
 
 The actor's phases are wall time, each beside the CPU time its thread spent: wall well above CPU means
 the process waited (for a core, the server, or the rate limiter). The learner's step splits into its
@@ -20,7 +20,7 @@ from actorq_jax.analysis.plots import PHASE_COLORS
 from actorq_jax.analysis.run_figures import bottleneck
 from actorq_jax.telemetry.schema import CPU_CLOCK
 
-GROUP = ["agent", "task", "layout", "actors", "regime", "bits"]
+GROUP = ["agent", "task", "layout", "actors", "regime", "bits", "comm_bits"]
 
 
 def _phase_seconds(episodes: pd.DataFrame, suffix: str = "_s") -> Dict[str, float]:
@@ -62,8 +62,8 @@ def _learner_split(rows: pd.DataFrame) -> Dict[str, float]:
 
 
 def time_split(runs: pd.DataFrame, actors: pd.DataFrame, learner: pd.DataFrame) -> pd.DataFrame:
-    """One row per (agent, task, layout, actor layout, regime, bits): mean over runs of the actors' and the learner's ms per step,
-    with the run count and what bound the runs (from the summed actor phases)."""
+    """One row per (agent, task, layout, actor layout, regime, actor bits, wire bits): mean over runs of the actors'
+    and the learner's ms per step, with the run count and what bound the runs (from the summed actor phases)."""
     rows: List[Dict[str, object]] = []
     for run in runs[runs["complete"]].itertuples(index=False):
         episodes = actors[actors["run"] == run.run] if not actors.empty else actors
@@ -92,7 +92,7 @@ def time_split(runs: pd.DataFrame, actors: pd.DataFrame, learner: pd.DataFrame) 
     table["runs"] = grouped.size()
     table["bound_by"] = grouped[["phase_s", "phase_cpu_s"]].apply(_bound)
     table = table.reset_index()
-    order = table.sort_values(GROUP, ascending=[True] * (len(GROUP) - 1) + [False])
+    order = table.sort_values(GROUP, ascending=[True] * (len(GROUP) - 2) + [False, False])
     return order.reset_index(drop=True)[columns]
 
 
@@ -102,17 +102,23 @@ def _or_dash(value: float, pattern: str) -> str:
 
 def time_split_markdown(table: pd.DataFrame) -> str:
     """The table of record: ms per step by phase (actors) and CPU against the rest (learner), and the bound."""
-    header = (["agent", "task", "layout", "actors", "regime", "actor bits", "runs"] + [p.replace("_", " ") for p in PHASES]
+    header = (["agent", "task", "layout", "actors", "regime", "actor bits", "wire bits", "runs"]
+              + [p.replace("_", " ") for p in PHASES]
               + ["actor wall (CPU)", "replay service CPU", "learner step wall (CPU)", "bound by"])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in table.itertuples(index=False):
         phases = [f"{getattr(r, f'actor_{p}_ms'):.3f}" for p in PHASES]
         lines.append("| " + " | ".join([
-            r.agent, r.task, r.layout, r.actors, r.regime, f"q={r.bits}", str(r.runs), *phases,
+            r.agent, r.task, r.layout, r.actors, r.regime, f"q={r.bits}", str(r.comm_bits), str(r.runs), *phases,
             f"{r.actor_wall_ms:.3f} ({_or_dash(r.actor_cpu_ms, '.3f')})", _or_dash(r.service_cpu_ms, ".3f"),
             f"{r.learner_wall_ms:.1f} ({_or_dash(r.learner_cpu_ms, '.1f')})",
             r.bound_by]) + " |")
     return "\n".join(lines)
+
+
+def _wire(bits: int, comm_bits: int) -> str:
+    """A bar label's note of the wire's bit-width where it differs from the actors'."""
+    return "" if comm_bits == bits else f", wire {comm_bits}"
 
 
 def _short_bound(bound_by: str) -> str:
@@ -131,8 +137,8 @@ def plot_time_split(table: pd.DataFrame) -> Figure:
     axes = fig.subplots(len(cases), 2, squeeze=False)
     for (ax_actor, ax_learner), (agent, task) in zip(axes, cases):
         rows = table[(table["agent"] == agent) & (table["task"] == task)]
-        labels = [f"{r.layout} {r.actors}\n{r.regime}\nq={r.bits}\nbound: {_short_bound(r.bound_by)}"
-                  for r in rows.itertuples(index=False)]
+        labels = [f"{r.layout} {r.actors}\n{r.regime}\nq={r.bits}{_wire(r.bits, r.comm_bits)}\n"
+                  f"bound: {_short_bound(r.bound_by)}" for r in rows.itertuples(index=False)]
         x = np.arange(len(rows))
         bottom = np.zeros(len(rows))
         for phase in PHASES:
