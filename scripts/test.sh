@@ -10,8 +10,8 @@ export ACTORQ_REQUIRE_KERNEL="${ACTORQ_REQUIRE_KERNEL:-1}"
 export MUJOCO_GL="${MUJOCO_GL:-disable}"
 # Lint and import order first (configured in pyproject.toml): a finding fails the run.
 .venv/bin/ruff check .
-# Two pytest-xdist workers where there are two cores (CI has 2): half the suite's time is launcher runs waiting on
-# restarts, timeouts and their own start-up, which the other worker fills. ACTORQ_TEST_WORKERS=N sets N (1: serial).
+# Two pytest-xdist workers where there are two cores (CI has 2): a launcher run leaves a core idle while it waits on
+# restarts, timeouts and its own start-up, which the other worker fills. ACTORQ_TEST_WORKERS=N sets N (1: serial).
 # tests/conftest.py collects the long modules first; `xdist_group` keeps a module's shared fixture on one worker.
 WORKERS="${ACTORQ_TEST_WORKERS:-$(( $(nproc) >= 2 ? 2 : 1 ))}"
 if [ "$WORKERS" -gt 1 ]; then
