@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import functools
-from types import ModuleType
 from typing import TYPE_CHECKING, Tuple
 
 import chex
 import numpy as np
 
-from actorq_jax.agents.builder import AgentBuilder, GreedyPolicy, Metrics, SgdStep, VectorPolicy, exploration_slots
+from actorq_jax.agents.builder import AgentBuilder, GreedyPolicy, LearningModule, Metrics, VectorPolicy, exploration_slots
 from actorq_jax.agents.d4pg import acting, networks
 from actorq_jax.agents.d4pg.config import D4PGConfig
 from actorq_jax.environments import EnvironmentSpec
@@ -19,8 +17,10 @@ if TYPE_CHECKING:
     from actorq_jax.agents.d4pg import learning
 
 
-class D4PGBuilder(AgentBuilder):
+class D4PGBuilder(LearningModule, AgentBuilder):
     """D4PG behind the agent contract: uniform replay, a deterministic policy with Gaussian exploration."""
+
+    learning_module = "actorq_jax.agents.d4pg.learning"
 
     def __init__(self, config: D4PGConfig, spec: EnvironmentSpec):
         if spec.discrete:
@@ -29,22 +29,6 @@ class D4PGBuilder(AgentBuilder):
         self.spec = spec
         self.networks = networks.make_networks(config, spec)
         self.actor_network = self.networks.policy
-
-    @functools.cached_property
-    def _learning(self) -> ModuleType:
-        # The losses (rlax, optax) only the learner needs: actors, the evaluator and the replay service never
-        # import them, which saves each of those processes about 1.4 CPU-s of start-up.
-        from actorq_jax.agents.d4pg import learning
-
-        return learning
-
-    @functools.cached_property
-    def _sgd_step(self) -> SgdStep:
-        return self._learning.make_sgd_step(self.config, self.networks)
-
-    def init_state(self, key: chex.PRNGKey) -> learning.TrainingState:
-        """Fresh learner state."""
-        return self._learning.init_state(self.config, self.networks, self.spec, key)
 
     def sgd_step(self, state: learning.TrainingState, batch: ReplayBatch) -> Tuple[learning.TrainingState, Metrics]:
         """One D4PG update of policy and critic."""

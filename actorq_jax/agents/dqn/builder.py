@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-from types import ModuleType
 from typing import TYPE_CHECKING, Dict, Optional, Tuple
 
 import chex
@@ -12,9 +10,9 @@ import numpy as np
 from actorq_jax.agents.builder import (
     AgentBuilder,
     GreedyPolicy,
+    LearningModule,
     Metrics,
     PriorityUpdate,
-    SgdStep,
     VectorPolicy,
     exploration_slots,
 )
@@ -27,8 +25,10 @@ if TYPE_CHECKING:
     from actorq_jax.agents.dqn import learning
 
 
-class DQNBuilder(AgentBuilder):
+class DQNBuilder(LearningModule, AgentBuilder):
     """DQN behind the agent contract: prioritized replay, epsilon-greedy actors with the Ape-X spread."""
+
+    learning_module = "actorq_jax.agents.dqn.learning"
 
     def __init__(self, config: DQNConfig, spec: EnvironmentSpec):
         if not spec.discrete:
@@ -44,22 +44,6 @@ class DQNBuilder(AgentBuilder):
     def prioritized(self) -> bool:
         """DQN samples replay by priority (|TD error|)."""
         return True
-
-    @functools.cached_property
-    def _learning(self) -> ModuleType:
-        # The losses (rlax, optax) only the learner needs: actors, the evaluator and the replay service never
-        # import them, which saves each of those processes about 1.4 CPU-s of start-up.
-        from actorq_jax.agents.dqn import learning
-
-        return learning
-
-    @functools.cached_property
-    def _sgd_step(self) -> SgdStep:
-        return self._learning.make_sgd_step(self.config, self.networks)
-
-    def init_state(self, key: chex.PRNGKey) -> learning.TrainingState:
-        """Fresh learner state."""
-        return self._learning.init_state(self.config, self.networks, self.spec, key)
 
     def sgd_step(self, state: learning.TrainingState, batch: ReplayBatch) -> Tuple[learning.TrainingState, Metrics]:
         """One importance-weighted double-Q update; metrics["priorities"] are the batch's |TD errors|."""
