@@ -34,6 +34,7 @@ from typing import Any, Dict, List, Optional, Set
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from actorq_jax.launch.placement import worker_env  # noqa: E402  (after the path insert)
+from actorq_jax.launch.runtime import command_words  # noqa: E402
 from actorq_jax.run_dir import RunDir  # noqa: E402
 
 ENV = worker_env()
@@ -87,7 +88,7 @@ def _children(proc: subprocess.Popen) -> List[Any]:
 def _role(child: Any) -> Optional[str]:
     """The worker role a launcher's child process runs (None: not a worker, or gone while we looked)."""
     try:
-        cmd = child.cmdline()
+        cmd = command_words(child)
     except Exception:  # gone while we looked (psutil.NoSuchProcess, AccessDenied)
         return None
     return cmd[cmd.index("actorq_jax.launch.worker") + 1] if "actorq_jax.launch.worker" in cmd else None

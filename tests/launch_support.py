@@ -19,6 +19,7 @@ import psutil
 
 from actorq_jax.agents.registry import get_agent
 from actorq_jax.launch.placement import worker_env
+from actorq_jax.launch.runtime import command_words
 from actorq_jax.telemetry import read_csv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,7 +114,7 @@ def worker_process(launcher: psutil.Process, role: str, actor_id: Optional[int] 
     """The launcher's child running `role` (and actor_id, restart), or None."""
     for child in launcher.children(recursive=True):
         try:
-            cmd = child.cmdline()
+            cmd = command_words(child)
         except psutil.NoSuchProcess:
             continue
         if "actorq_jax.launch.worker" not in cmd or role not in cmd:

@@ -6,7 +6,7 @@ import os
 import signal
 import socket
 import time
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 # Tables on the replay service's Reverb server besides the replay table.
 VARIABLES_TABLE = "variables"  # the actors' policy at comm_bits, refreshed every publish_period
@@ -163,6 +163,11 @@ def stop_on_signals(stop: Any = None) -> StopFlag:
 def install_stop_handlers() -> StopFlag:
     """A stop flag set by SIGTERM or SIGINT, so loops can finish their step and shut down cleanly."""
     return stop_on_signals()
+
+
+def command_words(process: Any) -> List[str]:
+    """A psutil.Process's command line as words (a forked worker's title is one string: placement.WorkerForker)."""
+    return " ".join(process.cmdline()).split()
 
 
 def die_with_parent() -> None:
