@@ -231,12 +231,14 @@ class Launcher:
                 report = self.channel.read("learner")
                 self._say(report.get("message") or f"learner diverged (exit code {runtime.EXIT_DIVERGED})")
                 return 1
-            if ended(learner.process) and not self._restart(learner, run.max_learner_restarts, "phase"):
-                return 1
+            # Whether it had ended before its status is read: a learner reports "done", then exits at once.
+            learner_ended = ended(learner.process)
             status = self.channel.read("learner")
             if status.get("phase") == "done":
                 self._say("learner reached its step budget")
                 return 0
+            if learner_ended and not self._restart(learner, run.max_learner_restarts, "phase"):
+                return 1
             self._restart_actors()
             env_steps = int(self.channel.read("replay").get("env_steps", 0))
             learner_steps = int(status.get("learner_steps", 0))

@@ -5,7 +5,7 @@ them, restarts them and stops them in order; a placement decides *where* and
 *how* one worker process is started, polled, signalled and killed, where its
 files go, and how energy is measured. `LocalPlacement` starts subprocesses on
 this machine writing straight into the results directory (forked from a template
-process that imported the workers' libraries once, see `WorkerForker`); `RayPlacement`
+process that imported the workers' libraries once: launch/forker.py); `RayPlacement`
 (launch/ray_placement.py) starts the same worker command inside Ray actors on
 a cluster's nodes and brings what they send (rows, checkpoints, logs) into the
 results directory. The launcher picks one (`launcher.make_placement`).
@@ -17,10 +17,7 @@ whose host was lost (its node left) has no exit code: its `lost` says why, and
 `ended`/`how_it_ended` read both kinds of ending.
 """
 
-import multiprocessing
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Protocol, Tuple
@@ -29,13 +26,6 @@ from actorq_jax.run_dir import RunDir
 
 WORKER_MODULE = "actorq_jax.launch.worker"
 LAUNCHERS = ("local", "ray")
-# What the workers of every role import. A fresh worker process spends 5-7 CPU-seconds importing them (Reverb
-# alone brings TensorFlow), more than a short run's workers spend working; the template process imports them
-# once per run and each worker is forked from it. Importing them computes nothing: no JAX backend, no
-# TensorFlow runtime and no Reverb connection exists in the template, so the fork copies no threads or sockets.
-WORKER_PRELOAD = ("actorq_jax.launch.worker", "jax", "jax.numpy", "numpy", "reverb", "dm_control.suite", "flax.linen",
-                  "actorq_jax.agents.registry", "actorq_jax.launch.replay_service", "actorq_jax.launch.learner",
-                  "actorq_jax.launch.actor", "actorq_jax.launch.evaluator", "optax", "rlax", "orbax.checkpoint")
 
 
 class WorkerProcess(Protocol):
@@ -120,95 +110,36 @@ class Placement:
         """Releases the backend once every worker has exited; the results directory is complete after it."""
 
 
-class ForkedWorker:
-    """A worker forked from the template process (multiprocessing's forkserver), seen as a subprocess.Popen."""
-
-    def __init__(self, process: multiprocessing.process.BaseProcess):
-        self._process = process
-        self.pid: int = process.pid
-
-    @property
-    def returncode(self) -> Optional[int]:
-        """The exit code (minus the signal's number when a signal ended it), None while it runs."""
-        return self._process.exitcode
-
-    def poll(self) -> Optional[int]:
-        """The exit code, or None while it runs."""
-        return self._process.exitcode
-
-    def wait(self, timeout: Optional[float] = None) -> int:
-        """Waits for the exit code; subprocess.TimeoutExpired past `timeout`."""
-        self._process.join(timeout)
-        if self._process.exitcode is None:
-            raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout)
-        return self._process.exitcode
-
-    def send_signal(self, sig: int) -> None:
-        """Sends a signal (nothing once it has exited)."""
-        if self._process.exitcode is None:
-            os.kill(self.pid, sig)
-
-    def kill(self) -> None:
-        """Kills it at once."""
-        self.send_signal(signal.SIGKILL)
-
-
-class WorkerForker:
-    """Starts worker processes by forking a template that imported WORKER_PRELOAD (one per launcher process).
-
-    multiprocessing's forkserver is that template: a fresh interpreter started on the first worker's start,
-    which exits when the launcher does (its workers then get SIGTERM, runtime.die_with_parent). A worker's
-    parent is therefore the template, not the launcher.
-    """
-
-    def __init__(self) -> None:
-        self._context = multiprocessing.get_context("forkserver")
-        self._context.set_forkserver_preload(list(WORKER_PRELOAD))
-
-    def start(self, command: List[str], log_path: Path, env: Dict[str, str]) -> ForkedWorker:
-        """Forks `python -m actorq_jax.launch.worker ...` (command) with `env`, its output appended to log_path."""
-        from actorq_jax.launch.worker import forked_main
-
-        # The template starts with this process's environment and reads some of it while importing (TensorFlow's
-        # log level, MuJoCo's renderer): those must already be the workers'.
-        for key in ("MUJOCO_GL", "TF_CPP_MIN_LOG_LEVEL"):
-            os.environ[key] = env[key]
-        argv = command[command.index(WORKER_MODULE) + 1:]
-        # Daemonic: should the launcher end abnormally, multiprocessing terminates its workers at its exit.
-        process = self._context.Process(target=forked_main, args=(argv, str(log_path), env, " ".join(command)),
-                                        name=argv[0], daemon=True)
-        process.start()
-        return ForkedWorker(process)
-
-
-_FORKER: Optional[WorkerForker] = None
-
-
-def worker_forker() -> WorkerForker:
-    """This process's WorkerForker (its template starts with the first worker and serves every later one)."""
-    global _FORKER
-    if _FORKER is None:
-        _FORKER = WorkerForker()
-    return _FORKER
-
-
 class LocalPlacement(Placement):
-    """Workers are processes on this machine (forked from the template), writing into the results directory."""
+    """Workers are child processes of the launcher on this machine, writing into the results directory."""
 
     name = "local"
 
+    def __init__(self, run: Any, results_dir: Path):
+        super().__init__(run, results_dir)
+        from actorq_jax.launch.forker import WorkerForker
+
+        self.forker = WorkerForker(RunDir(self.results_dir).log("template"), worker_env())
+
+    def open(self) -> None:
+        """Starts the workers' template, whose imports then overlap the launcher's own start-up."""
+        self.forker.ensure_running()
+
     def start(self, name: str, role: str, args: List[str]) -> WorkerProcess:
         """Starts `python -m actorq_jax.launch.worker ROLE ...` here, its output appended to logs/<name>.log."""
-        # --parent_pid 0: the worker's parent is the template, which lives exactly as long as this launcher.
-        command = worker_command(role, 0, self.results_dir, args)
-        return worker_forker().start(command, RunDir(self.results_dir).log(name), worker_env())
+        command = worker_command(role, os.getpid(), self.results_dir, args)
+        return self.forker.start(command, RunDir(self.results_dir).log(name), worker_env())
 
     def service_address(self, port: int) -> str:
         """Local workers reach the replay service on localhost at the run's port."""
         return f"localhost:{port}"
 
+    def close(self) -> None:
+        """Stops the template that forked the workers."""
+        self.forker.close()
+
     def cpu_seconds(self, process: WorkerProcess) -> Optional[float]:
-        """The subprocess's CPU seconds from /proc (None once it has exited)."""
+        """The worker's CPU seconds from /proc (None once it has exited)."""
         import psutil
 
         try:

@@ -166,7 +166,7 @@ def install_stop_handlers() -> StopFlag:
 
 
 def command_words(process: Any) -> List[str]:
-    """A psutil.Process's command line as words (a forked worker's title is one string: placement.WorkerForker)."""
+    """A psutil.Process's command line as words (a forked worker's title is one string: launch/forker.py)."""
     return " ".join(process.cmdline()).split()
 
 

@@ -15,7 +15,7 @@ import os
 import sys
 import threading
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Optional
 
 from actorq_jax.launch import runtime
 from actorq_jax.run_dir import RunDir
@@ -51,7 +51,7 @@ def main(argv: Optional[list] = None) -> int:
         return 1
     launcher_alive = lambda: os.getppid() == parent  # noqa: E731 (orphans are re-parented)
     stop = runtime.install_stop_handlers()
-    # force: in a forked worker the template's imports (absl) already put a handler on the root logger.
+    # force: in a worker forked from the template (launch/forker.py), absl's import already put a handler there.
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.role}: %(message)s", force=True)
 
     from actorq_jax.launch.config import config_from_json
@@ -90,24 +90,6 @@ def main(argv: Optional[list] = None) -> int:
     # The evaluator's final evaluation runs after the stop request: give it time.
     return run_until_stopped(target, stop, grace_s=10.0 if args.role == "actor" else 600.0,
                              launcher_alive=launcher_alive)
-
-
-def forked_main(argv: List[str], log_path: str, env: Dict[str, str], title: str) -> None:
-    """Runs main(argv) in a process forked from the launcher's template (placement.WorkerForker)."""
-    # Before anything logs: the output goes where a started `python -m actorq_jax.launch.worker` would write it.
-    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.dup2(log_fd, 1)
-    os.dup2(log_fd, 2)
-    os.close(log_fd)
-    # `ps`, psutil and tests see the command this worker runs, not the template's. (Before the environment
-    # changes: setproctitle reuses the memory of the process's initial environment.)
-    import setproctitle
-
-    setproctitle.setproctitle(title)
-    os.environ.update(env)
-    sys.exit(main(argv))
 
 
 def run_until_stopped(target: Callable[[], Optional[int]], stop: threading.Event, grace_s: float = 10.0,

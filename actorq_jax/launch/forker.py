@@ -1,0 +1,227 @@
+"""Worker processes forked from a template that imported the workers' libraries once per run.
+
+A fresh `python -m actorq_jax.launch.worker` spends 5-7 CPU-seconds importing JAX, Reverb (which
+brings TensorFlow), dm_control and Flax before it does any work: more than a short run's workers
+spend working, and paid again by every restarted worker. The launcher instead starts one template
+process (`python -m actorq_jax.launch.forker`), which imports them and then forks a worker per
+request. Importing computes nothing: the template has no JAX backend, no TensorFlow runtime and no
+Reverb connection, so a fork copies no running threads or sockets.
+
+Each worker is still the launcher's own child: the template forks twice and the intermediate exits,
+so the worker is re-parented to the launcher, which declared itself the subreaper of its
+descendants (Linux's PR_SET_CHILD_SUBREAPER). The launcher waits for its exit code, signals it and
+sees it in `ps` under its own command line (setproctitle), exactly as a started subprocess;
+`runtime.die_with_parent` still ties it to the launcher.
+
+The protocol is one JSON line each way per worker on the template's stdin and stdout:
+{"argv", "log", "env", "title", "parent"} in, {"pid"} (or {"error"}) out. The template exits when
+its stdin closes (the launcher is done or gone).
+"""
+
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+# What the workers of every role import (see the module docstring).
+PRELOAD = ("actorq_jax.launch.worker", "jax", "jax.numpy", "numpy", "reverb", "dm_control.suite", "flax.linen",
+           "actorq_jax.agents.registry", "actorq_jax.launch.replay_service", "actorq_jax.launch.learner",
+           "actorq_jax.launch.actor", "actorq_jax.launch.evaluator", "optax", "rlax", "orbax.checkpoint")
+PR_SET_CHILD_SUBREAPER = 36
+# How long a forked worker waits to be re-parented to the launcher (immediate on Linux; a bound, not a sleep).
+REPARENT_TIMEOUT_S = 10.0
+
+
+def become_subreaper() -> bool:
+    """Makes orphaned descendants of this process its children (Linux); False where the kernel cannot."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return False
+    return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+
+
+class ForkedWorker:
+    """A worker forked by the template and re-parented to this process, seen as a subprocess.Popen."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.returncode: Optional[int] = None
+
+    def poll(self) -> Optional[int]:
+        """The exit code (minus the signal's number when a signal ended it), or None while it runs."""
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere: its code is lost, but it is over
+                self.returncode = -1
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        """Waits for the exit code; subprocess.TimeoutExpired past `timeout`."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        """Sends a signal (nothing once it has exited: its pid is not ours any more)."""
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        """Asks it to stop (SIGTERM)."""
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        """Kills it at once."""
+        self.send_signal(signal.SIGKILL)
+
+
+class WorkerForker:
+    """The launcher's side: starts the template on the first worker, asks it for each worker, stops it at close."""
+
+    def __init__(self, log_path: Path, env: Dict[str, str]):
+        self.log_path = Path(log_path)
+        self.env = env
+        self._template: Optional[subprocess.Popen] = None
+        self._lock = threading.Lock()
+
+    def start(self, command: List[str], log_path: Path, env: Dict[str, str]) -> ForkedWorker:
+        """Forks the worker `command` (python -m actorq_jax.launch.worker ...) with `env`, output appended to log_path."""
+        module = command.index("-m") + 2
+        request = {"argv": command[module:], "log": str(log_path), "env": env, "title": " ".join(command),
+                   "parent": os.getpid()}
+        with self._lock:
+            template = self.ensure_running()
+            template.stdin.write(json.dumps(request) + "\n")
+            template.stdin.flush()
+            line = template.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the worker template exited (code {template.wait()}); its log: {self.log_path}")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise RuntimeError(f"the worker template could not fork {command[module]}: {reply['error']}")
+        return ForkedWorker(int(reply["pid"]))
+
+    def ensure_running(self) -> subprocess.Popen:
+        """The template process, started now if it is not running (its imports take a few seconds)."""
+        if self._template is not None and self._template.poll() is None:
+            return self._template
+        if not become_subreaper():
+            raise RuntimeError("forked workers need Linux's PR_SET_CHILD_SUBREAPER")
+        with open(self.log_path, "ab") as log:
+            self._template = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
+                                              stdout=subprocess.PIPE, stderr=log, env=self.env, text=True)
+        return self._template
+
+    def close(self) -> None:
+        """Stops the template (workers already started are not its children and go on)."""
+        if self._template is None:
+            return
+        self._template.stdin.close()
+        try:
+            self._template.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._template.kill()
+            self._template.wait()
+        self._template.stdout.close()
+        self._template = None
+
+
+def _run_worker(request: Dict) -> None:
+    """In the forked worker: output, title and environment of the worker, then worker.main; never returns."""
+    code = 1
+    try:
+        log_fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        null_fd = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null_fd, 0)
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        os.close(log_fd)
+        os.close(null_fd)
+        sys.stdin = open(0, closefd=False)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
+        # Re-parented to the launcher once the intermediate process has exited (see become_subreaper).
+        deadline = time.monotonic() + REPARENT_TIMEOUT_S
+        while os.getppid() != request["parent"] and time.monotonic() < deadline:
+            time.sleep(0.001)
+        import setproctitle
+
+        # Before the environment changes: setproctitle reuses the memory of the initial environment.
+        setproctitle.setproctitle(request["title"])
+        os.environ.update(request["env"])
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        from actorq_jax.launch.worker import main
+
+        code = main(request["argv"])
+    except SystemExit as exit_info:  # argparse's usage errors
+        code = exit_info.code if isinstance(exit_info.code, int) else 1
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        # As a worker's own interpreter would at exit, but without tearing its objects down: a Reverb
+        # dataset whose server is gone can block its destructor forever.
+        import atexit
+
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(int(code or 0))
+
+
+def _serve() -> int:
+    """The template: imports PRELOAD, then forks a worker for every request line until stdin closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
+    from actorq_jax.launch import runtime
+
+    runtime.die_with_parent()
+    for name in PRELOAD:
+        __import__(name)
+    requests = sys.stdin
+    replies = sys.stdout
+    for line in requests:
+        request = json.loads(line)
+        try:
+            pid_read, pid_write = os.pipe()
+            middle = os.fork()
+        except OSError as error:
+            replies.write(json.dumps({"error": str(error)}) + "\n")
+            replies.flush()
+            continue
+        if middle == 0:
+            try:
+                os.close(pid_read)
+                worker = os.fork()
+                if worker == 0:
+                    os.close(pid_write)
+                    _run_worker(request)
+                os.write(pid_write, str(worker).encode())
+            finally:
+                os._exit(0)
+        os.close(pid_write)
+        with os.fdopen(pid_read) as pid_pipe:
+            worker_pid = pid_pipe.read()
+        os.waitpid(middle, 0)
+        # Only now is the worker the launcher's child: the launcher may wait for it as soon as it has the pid.
+        replies.write(json.dumps({"pid": int(worker_pid)} if worker_pid else {"error": "the fork failed"}) + "\n")
+        replies.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_serve())
