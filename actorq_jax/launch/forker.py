@@ -9,7 +9,7 @@ Reverb connection, so a fork copies no running threads or sockets.
 
 Each worker is still the launcher's own child: the template forks twice and the intermediate exits,
 so the worker is re-parented to the launcher, which declared itself the subreaper of its
-descendants (Linux's PR_SET_CHILD_SUBREAPER). The launcher waits for its exit code, signals it and
+descendants while the template runs (Linux's PR_SET_CHILD_SUBREAPER). The launcher waits for its exit code, signals it and
 sees it in `ps` under its own command line (setproctitle), exactly as a started subprocess;
 `runtime.die_with_parent` still ties it to the launcher.
 
@@ -38,13 +38,13 @@ PR_SET_CHILD_SUBREAPER = 36
 REPARENT_TIMEOUT_S = 10.0
 
 
-def become_subreaper() -> bool:
-    """Makes orphaned descendants of this process its children (Linux); False where the kernel cannot."""
+def set_subreaper(on: bool) -> bool:
+    """Makes orphaned descendants of this process its children (Linux), or stops it; False where the kernel cannot."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
     except OSError:
         return False
-    return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    return libc.prctl(PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) == 0
 
 
 class ForkedWorker:
@@ -119,7 +119,7 @@ class WorkerForker:
         """The template process, started now if it is not running (its imports take a few seconds)."""
         if self._template is not None and self._template.poll() is None:
             return self._template
-        if not become_subreaper():
+        if not set_subreaper(True):
             raise RuntimeError("forked workers need Linux's PR_SET_CHILD_SUBREAPER")
         with open(self.log_path, "ab") as log:
             self._template = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
@@ -130,6 +130,9 @@ class WorkerForker:
         """Stops the template (workers already started are not its children and go on)."""
         if self._template is None:
             return
+        # This process adopts no more orphans: a process that goes on after the run (a test, a sweep) would
+        # otherwise collect every orphan of its later children as a zombie nobody waits for.
+        set_subreaper(False)
         self._template.stdin.close()
         try:
             self._template.wait(timeout=10)
@@ -154,7 +157,7 @@ def _run_worker(request: Dict) -> None:
         sys.stdin = open(0, closefd=False)
         sys.stdout = open(1, "w", buffering=1, closefd=False)
         sys.stderr = open(2, "w", buffering=1, closefd=False)
-        # Re-parented to the launcher once the intermediate process has exited (see become_subreaper).
+        # Re-parented to the launcher once the intermediate process has exited (see set_subreaper).
         deadline = time.monotonic() + REPARENT_TIMEOUT_S
         while os.getppid() != request["parent"] and time.monotonic() < deadline:
             time.sleep(0.001)
