@@ -74,3 +74,14 @@ def test_the_template_ends_when_closed_and_a_later_start_brings_a_new_one(tmp_pa
     command = worker_command("no_such_role", os.getpid(), tmp_path, [])
     assert forker.start(command, tmp_path / "bad.log", worker_env()).wait(timeout=60) == 2
     assert forker.ensure_running().pid != first.pid
+
+
+@pytest.mark.timeout(120)
+def test_a_dead_template_is_replaced_on_the_next_start(tmp_path, forker):
+    command = worker_command("no_such_role", os.getpid(), tmp_path, [])
+    first = forker.ensure_running()
+    first.kill()
+    first.wait()
+    # A restart after the template was lost (killed, out of memory) still starts its worker.
+    assert forker.start(command, tmp_path / "bad.log", worker_env()).wait(timeout=60) == 2
+    assert forker.ensure_running().pid != first.pid

@@ -105,9 +105,12 @@ class WorkerForker:
                    "parent": os.getpid()}
         with self._lock:
             template = self.ensure_running()
-            template.stdin.write(json.dumps(request) + "\n")
-            template.stdin.flush()
-            line = template.stdout.readline()
+            try:
+                template.stdin.write(json.dumps(request) + "\n")
+                template.stdin.flush()
+                line = template.stdout.readline()
+            except OSError:  # it died since the last start (the next start brings a new one)
+                line = ""
         if not line:
             raise RuntimeError(f"the worker template exited (code {template.wait()}); its log: {self.log_path}")
         reply = json.loads(line)
