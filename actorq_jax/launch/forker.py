@@ -80,10 +80,6 @@ class ForkedWorker:
         if self.poll() is None:
             os.kill(self.pid, sig)
 
-    def terminate(self) -> None:
-        """Asks it to stop (SIGTERM)."""
-        self.send_signal(signal.SIGTERM)
-
     def kill(self) -> None:
         """Kills it at once."""
         self.send_signal(signal.SIGKILL)
