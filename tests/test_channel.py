@@ -1,6 +1,7 @@
 """The run's control plane: status reports through files (local runs) and through the run's Reverb server (Ray)."""
 
 import json
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -99,3 +100,35 @@ def test_service_channel_on_a_real_server(tmp_path):
     gone = ServiceChannel(f"127.0.0.1:{port}")
     assert gone.read("replay") == {}
     gone.report("replay", {"phase": "running"})
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("reports", [
+    {"learner": {"phase": "final"}},
+    {"learner": {"phase": "done"}},
+    {"learner": {"phase": "diverged", "message": "critic_loss is nan"}},
+    # A learner that ended without a last publication (gave up, failed): the launcher says so.
+    {"learner": {"phase": "running"}, "launcher": {"start_time": 0.0, "learner_ended": True}},
+])
+def test_the_evaluators_final_wait_ends_once_no_publication_can_come(tmp_path, reports):
+    from actorq_jax.launch.evaluator import wait_for_final_publication
+
+    channel = FileChannel(tmp_path)
+    for role, status in reports.items():
+        channel.report(role, status)
+    # A timeout longer than the test's own: only the reports can end the wait.
+    wait_for_final_publication(channel, launcher_alive=lambda: True, timeout_s=3600)
+
+
+@pytest.mark.timeout(60)
+def test_the_evaluators_final_wait_goes_on_while_the_learner_runs(tmp_path):
+    from actorq_jax.launch.evaluator import wait_for_final_publication
+
+    channel = FileChannel(tmp_path)
+    channel.report("learner", {"phase": "running"})
+    channel.report("launcher", {"start_time": 0.0})
+    began = time.monotonic()
+    wait_for_final_publication(channel, launcher_alive=lambda: True, timeout_s=1.0)
+    assert time.monotonic() - began >= 1.0
+    calls = iter([True, False])  # the launcher is gone after one look
+    wait_for_final_publication(channel, launcher_alive=lambda: next(calls), timeout_s=3600)

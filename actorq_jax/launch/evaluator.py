@@ -6,8 +6,11 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Tuple
 
 from actorq_jax.launch import runtime
-from actorq_jax.launch.channel import make_channel
+from actorq_jax.launch.channel import RunChannel, make_channel
 from actorq_jax.run_dir import RunDir
+
+# Learner phases after which it publishes nothing more (a diverged learner stops without a last publication).
+FINAL_PHASES = ("final", "done", "diverged")
 
 
 def run_episode(env: Any, policy: Callable[[Any, Any], Any], params: Any) -> float:
@@ -80,13 +83,14 @@ class Evaluator:
         logger.flush()
         self.last_version = version
 
-    def wait_for_final_publication(self, launcher_alive: Callable[[], bool], timeout_s: float = 60.0) -> None:
-        """Waits until the learner has made its last publication (not for a learner that no launcher releases)."""
-        deadline = time.monotonic() + timeout_s
-        while self.channel.read("learner").get("phase") not in ("final", "done"):
-            if time.monotonic() > deadline or not launcher_alive():
-                return
-            time.sleep(0.2)
+
+def wait_for_final_publication(channel: RunChannel, launcher_alive: Callable[[], bool], timeout_s: float = 60.0) -> None:
+    """Waits until the learner has made its last publication or will make none (not for a learner nobody releases)."""
+    deadline = time.monotonic() + timeout_s
+    while channel.read("learner").get("phase") not in FINAL_PHASES:
+        if time.monotonic() > deadline or not launcher_alive() or channel.read("launcher").get("learner_ended"):
+            return
+        time.sleep(0.2)
 
 
 def run_evaluator(run: Any, agent_config: Any, address: str, stop: threading.Event,
@@ -102,7 +106,7 @@ def run_evaluator(run: Any, agent_config: Any, address: str, stop: threading.Eve
         while True:
             final = stop.is_set()
             if final:
-                evaluator.wait_for_final_publication(launcher_alive)
+                wait_for_final_publication(evaluator.channel, launcher_alive)
             fetched = evaluator.fetch()
             if fetched is not None and (fetched[1] != evaluator.last_version or final):
                 evaluator.evaluate(logger, *fetched, final=final)

@@ -327,6 +327,9 @@ class Launcher:
                 pass
         self._terminate([learner], LEARNER_FINAL_TIMEOUT_S)
         self.channel.read("learner")  # its final report (recorded into status/ under Ray)
+        # The evaluator's final evaluation waits for the learner's last publication; one that ended without
+        # making it (diverged, failed, gave up) will not, and the evaluator need not wait out its timeout.
+        self.channel.report("launcher", {**self.started, "learner_ended": True})
         self._terminate(evaluators, EVALUATOR_FINAL_TIMEOUT_S)
         # What the workers sent through the service (rows, the final checkpoint) comes in while it is up.
         self.placement.collect()
