@@ -365,7 +365,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Runs the soak and its checks; 0 when every check passes."""
     parser = argparse.ArgumentParser(description="Fault-injection soak of one D4PG run (see the module doc).")
     parser.add_argument("--minutes", type=float, default=15.0, help="length of the disturbed run")
-    parser.add_argument("--quick", action="store_true", help="a short soak: 44 s of events 4-6 s apart")
+    parser.add_argument("--quick", action="store_true", help="a short soak: 36 s of events 3.5-5 s apart")
     parser.add_argument("--num_actors", type=int, default=3, help="actors of the run")
     parser.add_argument("--seed", type=int, default=0, help="seed of the schedule, the victims and the runs")
     parser.add_argument("--results_dir", default=None, help="where both runs go (default results/chaos_<time>)")
@@ -378,7 +378,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if RunDir(root / "chaos").config.exists():
         parser.error(f"--results_dir: {root} already holds a soak")
     # --quick: room for the special events and at least one actor kill (restarts stop the clock).
-    seconds, gap = (44.0, (4.0, 6.0)) if args.quick else (args.minutes * 60.0, (20.0, 40.0))
+    seconds, gap = (36.0, (3.5, 5.0)) if args.quick else (args.minutes * 60.0, (20.0, 40.0))
     soak = Soak(root / "chaos", seconds, gap, args.num_actors, args.seed,
                 tuple(RUN_FLAGS + (QUICK_FLAGS if args.quick else [])))
 

@@ -4,7 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 # Benchmark peers (ONNX Runtime) for the peers.py smoke test; reinstalled only when the file changes.
-[ .venv/.actorq-bench-installed -nt requirements-bench.txt ] || { .venv/bin/python -m uv pip install --quiet --python .venv/bin/python -r requirements-bench.txt && touch .venv/.actorq-bench-installed; }
+[ .venv/.actorq-bench-installed -nt requirements-bench.txt ] || { .venv/bin/python -m uv pip install --quiet --compile-bytecode --python .venv/bin/python -r requirements-bench.txt && touch .venv/.actorq-bench-installed; }
 # CI's machine has a compiler: a kernel that did not build fails the run instead of falling back.
 export ACTORQ_REQUIRE_KERNEL="${ACTORQ_REQUIRE_KERNEL:-1}"
 export MUJOCO_GL="${MUJOCO_GL:-disable}"
