@@ -14,7 +14,8 @@ import multiprocessing.process
 import os
 import subprocess
 import sys
-from typing import Any
+from pathlib import Path
+from typing import Any, List
 
 import pytest
 from launch_support import RAY_SETTINGS, SHARED_ENV
@@ -35,6 +36,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
         mark = 0 if item.get_closest_marker("slow") else 1 if item.get_closest_marker("process") else 2
         rank[item.module.__name__] = min(rank.get(item.module.__name__, 2), mark)
     items.sort(key=lambda item: rank[item.module.__name__])
+
+
+def pytest_xdist_node_collection_finished(node: Any, ids: List[str]) -> None:
+    """Under --dist loadgroup, stops the run if a module marked with xdist_group reached the scheduler ungrouped."""
+    if node.config.getoption("dist", "no") != "loadgroup":
+        return
+    grouped = {path.name for path in Path(__file__).parent.glob("test_*.py") if "xdist_group(" in path.read_text()}
+    for nodeid in ids:
+        if Path(nodeid.split("::", 1)[0]).name in grouped and "@" not in nodeid:
+            # Without its group, a module's costly shared fixture (a Ray cluster, a sweep) is built on every worker
+            # at once: twice the work, and two Ray clusters on one machine.
+            pytest.exit(f"pytest-xdist did not group {nodeid} (xdist_group has no effect with pytest "
+                        f"{pytest.__version__}); install the pytest pinned in requirements.txt", returncode=4)
 
 
 def _unit_tier(config: pytest.Config) -> bool:

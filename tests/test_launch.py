@@ -93,12 +93,19 @@ def test_budget_run_leaves_a_complete_results_directory(tmp_path):
 
 @pytest.mark.process
 @pytest.mark.timeout(300)
-def test_sigterm_stops_the_run_cleanly_without_orphans(tmp_path):
+def test_killed_actor_is_restarted_then_sigterm_stops_the_run_cleanly_without_orphans(tmp_path):
     results = tmp_path / "run"
-    proc = start_run(results, *TINY, "--num_actors", "1", "--max_seconds", "250", "--tensorboard", "false")
+    # Two environments per actor: the restarted incarnation steps both again.
+    proc = start_run(results, *TINY, "--num_actors", "1", "--envs_per_actor", "2", "--max_seconds", "250",
+                     "--tensorboard", "false")
     try:
         _first_episode(results, proc)
-        pids = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        launcher = psutil.Process(proc.pid)
+        worker_process(launcher, "actor", 0).kill()
+        wait_for(lambda: worker_process(launcher, "actor", 0, restart=1), 60, "actor 0's restart", proc)
+        episodes = len(_rows(results / "actors" / "actor_0.csv"))
+        wait_for(lambda: len(_rows(results / "actors" / "actor_0.csv")) >= episodes + 2, 150, "episodes after it", proc)
+        pids = [p.pid for p in launcher.children(recursive=True)]
         assert len(pids) >= 3  # at least the learner, the actor and the evaluator (the replay service besides)
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=200)
@@ -108,31 +115,15 @@ def test_sigterm_stops_the_run_cleanly_without_orphans(tmp_path):
     assert "stop requested" in out
     assert alive(pids) == [], f"processes outlived the run: {alive(pids)}"
     assert not (results / "tensorboard").exists()  # --tensorboard false writes no events
-
-
-@pytest.mark.process
-@pytest.mark.timeout(300)
-def test_killed_actor_is_restarted_and_the_run_goes_on(tmp_path):
-    results = tmp_path / "run"
-    # Two environments per actor: the restarted incarnation steps both again.
-    proc = start_run(results, *TINY, "--num_actors", "1", "--envs_per_actor", "2", "--max_seconds", "250")
-    try:
-        _first_episode(results, proc)
-        launcher = psutil.Process(proc.pid)
-        worker_process(launcher, "actor", 0).kill()
-        wait_for(lambda: worker_process(launcher, "actor", 0, restart=1), 60, "actor 0's restart", proc)
-        episodes = len(_rows(results / "actors" / "actor_0.csv"))
-        wait_for(lambda: len(_rows(results / "actors" / "actor_0.csv")) >= episodes + 2, 150, "episodes after it", proc)
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=200)
-    finally:
-        stop_all(proc)
-    assert proc.returncode == 0, out[-3000:]
     summary = json.loads((results / "summary.json").read_text())
     assert any(e.startswith("actor_0 died") and "restart 1/3" in e for e in summary["events"])
     assert summary["learner_steps"] > 0 and summary["env_steps"] > 0
-    after = _rows(results / "actors" / "actor_0.csv")[episodes:]
-    assert {r["env_index"] for r in after} == {0, 1}  # both environments of the new incarnation finish episodes
+    assert json.loads((results / "config.json").read_text())["run"]["envs_per_actor"] == 2
+    rows = _rows(results / "actors" / "actor_0.csv")
+    # cartpole episodes are 1000 steps: both environments of an actor end at actor step 1000, env step 2000.
+    assert sorted(r["env_index"] for r in rows[:2]) == [0, 1]
+    assert {(r["env_steps"], r["episode_length"]) for r in rows[:2]} == {(2000, 1000)}
+    assert {r["env_index"] for r in rows[episodes:]} == {0, 1}  # both environments of the new incarnation finish episodes
 
 
 @pytest.mark.slow

@@ -2,21 +2,19 @@
 
 Each test runs real actors (launch.actor.run_actor, in this process) against a real Reverb
 server on a free localhost port that holds a fixed published policy, and reads their items back.
+A launched run of two environments per actor (and its restarted actor) is in test_launch.py.
 """
 
 import collections
 import dataclasses
 import json
-import subprocess
-import sys
 import threading
 
 import jax
 import numpy as np
 import pytest
 import reverb
-from launch_support import ENV, ROOT, TINY, usage_error
-from launch_support import rows as csv_rows
+from launch_support import usage_error
 
 from actorq_jax import kernels
 from actorq_jax.environments import environment_spec, make_environment
@@ -156,19 +154,3 @@ def test_bad_envs_per_actor_exits_2_naming_the_flag(value, tmp_path, capsys):
     err = usage_error(capsys, lambda: parse_run("d4pg", ["--envs_per_actor", value, "--results_dir", str(tmp_path / "r")]))
     assert "--envs_per_actor" in err, err[-2000:]
     assert not (tmp_path / "r").exists()
-
-
-@pytest.mark.process
-@pytest.mark.timeout(400)
-def test_a_launched_run_steps_k_environments_per_actor(tmp_path):
-    results = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "experiments/run_d4pg.py", *TINY, "--num_actors", "1", "--envs_per_actor", "2",
-                           "--max_env_steps", "3000", "--results_dir", str(results)],
-                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=360)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert json.loads((results / "config.json").read_text())["run"]["envs_per_actor"] == 2
-    rows = csv_rows(results / "actors" / "actor_0.csv")
-    # cartpole episodes are 1000 steps: both environments end at actor step 1000, env step 2000.
-    assert sorted(r["env_index"] for r in rows[:2]) == [0, 1]
-    assert {(r["env_steps"], r["episode_length"]) for r in rows[:2]} == {(2000, 1000)}
-    assert json.loads((results / "summary.json").read_text())["env_steps"] >= 3000
