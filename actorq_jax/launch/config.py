@@ -7,8 +7,7 @@ from typing import Any, List, Optional, Tuple
 
 from actorq_jax.agents.registry import get_agent
 from actorq_jax.config import documented
-from actorq_jax.launch.placement import LAUNCHERS
-from actorq_jax.launch.runtime import parse_cpu_list
+from actorq_jax.launch.runtime import LAUNCHERS, parse_cpu_list
 from actorq_jax.quantization.config import GRANULARITIES, INT_BITS, VALID_BITS
 
 BACKENDS = ("auto", "fp32", "fakequant", "int8")

@@ -29,15 +29,7 @@ from actorq_jax.launch import runtime
 from actorq_jax.launch.channel import FileChannel, RunChannel, make_channel
 from actorq_jax.launch.checkpoint import read_counters
 from actorq_jax.launch.config import RunConfig, save_config
-from actorq_jax.launch.placement import (
-    LAUNCHERS,
-    CpuMeter,
-    LocalPlacement,
-    Placement,
-    WorkerProcess,
-    ended,
-    how_it_ended,
-)
+from actorq_jax.launch.placement import CpuMeter, LocalPlacement, Placement, WorkerProcess, ended, how_it_ended
 from actorq_jax.run_dir import RunDir
 from actorq_jax.telemetry.tensorboard import TensorBoardExport
 
@@ -431,7 +423,7 @@ def make_placement(run: Any, results_dir: Path) -> Placement:
 
         return RayPlacement(run, results_dir)
     if run.launcher != "local":
-        raise ValueError(f"--launcher: {run.launcher!r} not in {LAUNCHERS}")
+        raise ValueError(f"--launcher: {run.launcher!r} not in {runtime.LAUNCHERS}")
     return LocalPlacement(run, results_dir)
 
 

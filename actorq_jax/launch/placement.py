@@ -25,7 +25,6 @@ from typing import Any, Dict, List, Optional, Protocol, Tuple
 from actorq_jax.run_dir import RunDir
 
 WORKER_MODULE = "actorq_jax.launch.worker"
-LAUNCHERS = ("local", "ray")
 
 
 class WorkerProcess(Protocol):

@@ -12,7 +12,7 @@ import socket
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from actorq_jax.launch.placement import LAUNCHERS
+from actorq_jax.launch.runtime import LAUNCHERS
 
 CONNECT_TIMEOUT_S = 3.0
 RESOURCE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:/-]*$")

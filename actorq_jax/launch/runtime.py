@@ -8,6 +8,8 @@ import socket
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
+# The backends a run launches its workers on (--launcher).
+LAUNCHERS = ("local", "ray")
 # Tables on the replay service's Reverb server besides the replay table.
 VARIABLES_TABLE = "variables"  # the actors' policy at comm_bits, refreshed every publish_period
 EVAL_VARIABLES_TABLE = "eval_variables"  # the float32 policy, refreshed every eval_period
