@@ -3,6 +3,7 @@
     python benchmarks/end_to_end.py --json results/end_to_end.json           # full: 3 seeds, two layouts
     python benchmarks/end_to_end.py --quick --json /tmp/e2e.json             # CI smoke: 1 short seed
     python benchmarks/end_to_end.py --agent dqn                              # DQN on CartPole-v1
+    python benchmarks/end_to_end.py --task walker_stand --layouts pinned     # another task of the agent's suite
     python benchmarks/end_to_end.py -- --policy_layers 1024,1024,1024        # run flags for every run (after --)
 
 A run already finished in --results_dir with the same flags is measured, not run again: rerun
@@ -67,15 +68,19 @@ def _layout_flags(layout: str) -> List[str]:
     return ["--layout", layout]
 
 
-def _run(agent: str, layout: str, bits: int, seed: int, args: argparse.Namespace, out: Path) -> Path:
+def _command(agent: str, layout: str, bits: int, seed: int, args: argparse.Namespace, run_dir: Path) -> List[str]:
     spec = AGENTS[agent]
-    run_dir = out / f"{agent}_{layout}_q{bits}_s{seed}"
-    cmd = [sys.executable, str(ROOT / "experiments" / "run.py"), "--agent", agent, "--task", spec["task"],
+    return [sys.executable, str(ROOT / "experiments" / "run.py"), "--agent", agent, "--task", args.task,
            "--actor_bits", str(bits), "--seed", str(seed), "--num_actors", "2",
            *_regime_flags(args), "--max_seconds", str(args.max_seconds),
            "--eval_period", str(args.eval_period), "--results_dir", str(run_dir),
            *(get_agent(agent).quick if args.quick else spec["layers"]), *_layout_flags(layout),
            *args.run_flags]  # the same for both precisions: a setting, never a per-precision tuning
+
+
+def _run(agent: str, layout: str, bits: int, seed: int, args: argparse.Namespace, out: Path) -> Path:
+    run_dir = out / f"{agent}_{layout}_q{bits}_s{seed}"
+    cmd = _command(agent, layout, bits, seed, args, run_dir)
     if _finished_with(run_dir, agent, cmd[4:]):
         print(f"[end_to_end] {run_dir.name}: kept (finished earlier in {out} with the same flags)", flush=True)
         return run_dir
@@ -103,21 +108,27 @@ def _now() -> str:
     return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
 
 
+def _parse_as_new(agent: str, flags: List[str], run_dir: Path) -> Any:
+    """The run's (RunConfig, agent config) as a new run of `flags` would get them; a bad flag exits 2 naming it."""
+    from actorq_jax.launch.flags import parse_run
+
+    # With run_dir's name changed: the flags name run_dir, which parse_run refuses once it holds a run.
+    flags = list(flags)
+    flags[flags.index("--results_dir") + 1] = str(run_dir.with_name(run_dir.name + ".unused"))
+    return parse_run(agent, flags)
+
+
 def _finished_with(run_dir: Path, agent: str, flags: List[str]) -> bool:
     """Whether run_dir holds a finished run of exactly these flags (so a grid extended by seeds, or
     restarted after an interruption, reruns nothing it already has)."""
     from actorq_jax.launch.config import config_from_json
-    from actorq_jax.launch.flags import parse_run
 
     try:
         summary = json.loads(RunDir(run_dir).summary.read_text())
         kept_run, kept_agent = config_from_json(RunDir(run_dir).config.read_text())
     except (OSError, ValueError):
         return False
-    # Parsed as a new run would be (the flags name run_dir, which parse_run refuses as taken).
-    flags = list(flags)
-    flags[flags.index("--results_dir") + 1] = str(run_dir.with_name(run_dir.name + ".unused"))
-    run, agent_config = parse_run(agent, flags)
+    run, agent_config = _parse_as_new(agent, flags, run_dir)
     same = dataclasses.replace(kept_run, port=0, results_dir="-") == dataclasses.replace(run, port=0, results_dir="-")
     return summary.get("exit_code") == 0 and same and kept_agent == agent_config
 
@@ -167,6 +178,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Runs the grid, prints the table and the headline, draws return against wall time; writes --json when asked."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--agent", default="d4pg", choices=sorted(AGENTS))
+    parser.add_argument("--task", default=None, help="the agent's task (default: cartpole_balance for d4pg, "
+                        "CartPole-v1 for dqn); the target is --target_fraction of a return of 1000 (d4pg) or 500 (dqn)")
     parser.add_argument("--quick", action="store_true", help="1 seed of tiny networks and short budgets (a smoke test)")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--max_seconds", type=float, default=None, help="budget per run (default 300; 45 with --quick)")
@@ -184,7 +197,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("run_flags", nargs="*", metavar="-- RUN_FLAGS",
                         help="flags added to every run after the defaults (e.g. -- --policy_layers 1024,1024,1024)")
     args = parser.parse_args(argv)
-    forbidden = sorted({f for f in args.run_flags if f in ("--actor_bits", "--seed", "--results_dir")})
+    forbidden = sorted({f for f in args.run_flags if f in ("--actor_bits", "--seed", "--results_dir", "--task")})
     if forbidden:
         parser.error(f"RUN_FLAGS: {', '.join(forbidden)} are the benchmark's to set")
     layouts = [x.strip() for x in args.layouts.split(",")]
@@ -196,12 +209,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error("--seeds and --max_times_sampled must be >= 1")
     if not args.samples_per_insert > 0:
         parser.error(f"--samples_per_insert must be > 0, got {args.samples_per_insert}")
+    args.task = args.task or AGENTS[args.agent]["task"]
     seeds = 1 if args.quick else args.seeds
     args.max_seconds = args.max_seconds or (45.0 if args.quick else 300.0)
     args.eval_period = args.eval_period or (50 if args.quick else 500)
     threshold = args.target_fraction * AGENTS[args.agent]["target"]
     out = Path(args.results_dir or f"results/end_to_end_{time.strftime('%Y%m%d-%H%M%S')}").absolute()
     out.mkdir(parents=True, exist_ok=True)
+    first = out / "flag_check"
+    _parse_as_new(args.agent, _command(args.agent, layouts[0], BITS[0], 0, args, first)[4:], first)  # before any run
     before = machine_info()
     rows: List[Dict[str, Any]] = []
     started = _now()
@@ -224,7 +240,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"figure: {path}")
     if args.json:
         payload = {"benchmark": "end_to_end", "machine": {**machine_info(), "loadavg_before": before["loadavg_1_5_15"]},
-                   "config": {"agent": args.agent, "task": AGENTS[args.agent]["task"], "threshold": threshold,
+                   "config": {"agent": args.agent, "task": args.task, "threshold": threshold,
                               "seeds": seeds, "max_seconds": args.max_seconds, "quick": args.quick,
                               "regime": _regime_flags(args), "run_flags": args.run_flags},
                    "rows": rows, "headline": head, "figures": [str(p) for p in figures]}
