@@ -226,7 +226,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             for bits in BITS:  # q32, q8 alternate within each seed and layout
                 run_dir = _run(args.agent, layout, bits, seed, args, out)
                 rows.append({"layout": layout, "bits": bits, "seed": seed, "run_dir": str(run_dir),
-                             **measure_run(run_dir, threshold)})
+                             **measure_run(run_dir, threshold, len(os.sched_getaffinity(0)))})
                 write_index(out, argv, started, rows, None, threshold)
                 print(f"[end_to_end] {run_dir.name}: done", flush=True)
     write_index(out, argv, started, rows, _now(), threshold)

@@ -85,7 +85,10 @@ def render_rq4(study_dir: Path, figures_dir: Path, figure_link: str) -> str:
 
     studies = [study_dir] + [d for d in (study_dir.parent / "rq3",) if d.is_dir()]
     runs = analysis.load_runs([run for d in studies for run in analysis.find_run_dirs(d)])
-    table = time_split(runs, analysis.load_actor_episodes(runs), analysis.load_learner(runs))
+    recorded_on = {s.get("collected_on", {}).get("cores") for d in studies
+                   for s in analysis.read_study(d).get("sources", {}).values()}
+    cores = recorded_on.pop() if len(recorded_on) == 1 else None  # one machine: runs without their cores use its
+    table = time_split(runs, analysis.load_actor_episodes(runs), analysis.load_learner(runs), cores)
     lines: List[str] = []
     for d in studies:
         lines += ([""] if lines else []) + _provenance(d, int(analysis.load_runs(analysis.find_run_dirs(d))["complete"].sum()))
@@ -95,15 +98,18 @@ def render_rq4(study_dir: Path, figures_dir: Path, figure_link: str) -> str:
                  "launcher since the end-to-end grids; \"-\": not measured). Learner: ms of wall time per SGD step "
                  "after its first log row, in brackets its process's CPU per step. \"-\": the run's timers took one "
                  "thread's CPU only (before the process clock), which misses XLA's compute threads. Bound by: the "
-                 "summed actor phases (the rate limiter above 30% of actor time means the learner bounds the run).")
+                 "summed actor phases (the rate limiter above 30% of actor time means the learner bounds the run), "
+                 "and where every run of a row has each process's CPU, how full the actors' cores were and who "
+                 "filled them.")
     if not table.empty:
         analysis.save_figure(plot_time_split(table), figures_dir / "rq4_time_split.png")
         lines += ["", f"![where actor and learner time goes]({figure_link}rq4_time_split.png)"]
     return "\n".join(lines)
 
 
-def _e2e_row(run_dir: Path, threshold: float) -> Dict:
-    """One end-to-end run's figures (analysis.measure_run) with its bits, seed, layout and per-step actor phases."""
+def _e2e_row(run_dir: Path, threshold: float, cores: Optional[int]) -> Dict:
+    """One end-to-end run's figures (analysis.measure_run) with its bits, seed, layout and per-step actor phases;
+    `cores`: the recording machine's, for runs that did not record their workers' cores."""
     import json
 
     from actorq_jax.analysis.run_figures import measure_run
@@ -116,7 +122,7 @@ def _e2e_row(run_dir: Path, threshold: float) -> Dict:
     service = summary.get("worker_cpu_s", {}).get("replay")
     return {"bits": int(config["actor_bits"]), "seed": int(config["seed"]), "layout": config.get("layout", "shared"),
             "run_dir": str(run_dir), "phase_ms": per_step,
-            "service_cpu_ms": 1000 * service / steps if service else None, **measure_run(run_dir, threshold)}
+            "service_cpu_ms": 1000 * service / steps if service else None, **measure_run(run_dir, threshold, cores)}
 
 
 def _e2e_markdown(rows: List[Dict], threshold: float) -> List[str]:
@@ -151,7 +157,8 @@ def render_rq3(study_dir: Path, figures_dir: Path, figure_link: str) -> str:
         index_path = study_dir / "sweeps" / f"{name}.json"
         index = json.loads(index_path.read_text()) if index_path.is_file() else {}
         threshold = float(index.get("threshold", 900.0))
-        rows = [_e2e_row(study_dir / run, threshold) for run in source.get("runs_collected", [])]
+        cores = source.get("collected_on", {}).get("cores")
+        rows = [_e2e_row(study_dir / run, threshold, cores) for run in source.get("runs_collected", [])]
         rows.sort(key=lambda r: (r["layout"], r["seed"], -r["bits"]))
         lines += ["", f"**`{name}`** (target {threshold:g}: the first evaluation whose mean fp32 return reaches it):", ""]
         lines += _e2e_markdown(rows, threshold)
@@ -172,8 +179,10 @@ def render_rq3(study_dir: Path, figures_dir: Path, figure_link: str) -> str:
                 lines += ["", f"![return against wall time, {name}]({figure_link}rq3_{name}.png)"]
     lines += ["", "Actor phases: ms per env step over the run (both actors), wall time / the actor process's CPU (the "
               "process clock counts every thread of the process during the phase). Bound by: the actors' timers "
-              "(analysis.run_figures.bottleneck). Time and energy ratios: means over the runs that reached the "
-              "target; `-`: not reached, never counted as the budget."]
+              "(analysis.run_figures.bottleneck), and where the launcher measured each process's CPU, how full the "
+              "actors' cores were and who filled them (the replay service and evaluator share them in the pinned "
+              "layout). Time and energy ratios: means over the runs that reached the target; `-`: not reached, never "
+              "counted as the budget."]
     return "\n".join(lines)
 
 

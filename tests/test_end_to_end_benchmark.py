@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from launch_support import BENCHMARKS, ENV, ROOT
 
-from actorq_jax.analysis.run_figures import bottleneck, measure_run
+from actorq_jax.analysis.run_figures import bottleneck, core_load, measure_run
 from actorq_jax.telemetry import EVAL_FIELDS, CsvLogger, write_json
 
 HEADLINE = ("time_to_target_speedup_q8", "energy_to_target_ratio_q8", "env_steps_per_s_ratio_q8",
@@ -82,6 +82,36 @@ def test_bottleneck_names_the_actors_core_when_their_phases_mostly_wait_for_cpu(
     assert waiting.endswith("largest phase replay writes (60% of actor time))")
     computing = bottleneck(wall, {"env_step": 1.9, "inference": 1.0, "adder": 5.0})
     assert computing.startswith("replay writes (60%")  # the writes themselves took the time
+
+
+CPU_S = {"learner": 60.0, "replay": 40.0, "actor_0": 30.0, "actor_1": 20.0, "evaluator": 5.0}
+
+
+def test_core_load_counts_every_process_on_the_actors_cores_and_only_those():
+    pinned = {"learner": [0], "replay": [1], "actor_0": [1], "actor_1": [1], "evaluator": [1]}
+    load = core_load({"wall_seconds": 100.0, "worker_cpu_s": CPU_S, "worker_cores": pinned}, {})
+    assert load == pytest.approx({"busy": 0.95, "actors": 0.5, "replay service": 0.4, "evaluator": 0.05})
+    # Without recorded cores, the layout and the machine's core count give the same placement.
+    inferred = core_load({"wall_seconds": 100.0, "worker_cpu_s": CPU_S}, {"layout": "pinned"}, cores=2)
+    assert inferred == pytest.approx(load)
+    assert core_load({"wall_seconds": 100.0, "worker_cpu_s": CPU_S}, {"layout": "pinned"}) is None  # cores unknown
+    # Shared: everyone, the learner included, on both cores.
+    shared = core_load({"wall_seconds": 100.0, "worker_cpu_s": CPU_S}, {"layout": "shared"}, cores=2)
+    assert shared["busy"] == pytest.approx(155.0 / 200.0) and shared["learner"] == pytest.approx(0.3)
+    # Explicit flags win over the layout: the replay service on the learner's core does not share the actors'.
+    flags = {"layout": "pinned", "replay_cpus": "0", "actor_cpus": "1"}
+    apart = core_load({"wall_seconds": 100.0, "worker_cpu_s": CPU_S}, flags, cores=2)
+    assert "replay service" not in apart and apart["busy"] == pytest.approx(0.55)
+    assert core_load({"wall_seconds": 100.0}, {"layout": "pinned"}, cores=2) is None  # CPU not measured
+
+
+def test_bottleneck_names_who_filled_the_actors_cores_when_they_were_full():
+    wall = {"env_step": 2.0, "inference": 1.0, "adder": 6.0, "rate_limit_wait": 0.0}
+    cpu = {"env_step": 1.9, "inference": 1.0, "adder": 5.0}
+    full = bottleneck(wall, cpu, {"busy": 0.97, "actors": 0.55, "replay service": 0.38, "evaluator": 0.04})
+    assert full == ("CPU on the actors' cores (97% busy: actors 55%, replay service 38%, evaluator 4%; "
+                    "largest actor phase replay writes (67% of actor time))")
+    assert bottleneck(wall, cpu, {"busy": 0.6, "actors": 0.6}).startswith("replay writes (67%")  # room left
 
 
 @pytest.mark.process

@@ -8,6 +8,7 @@ Flag validation runs in-process, with one run of the script itself.
 """
 
 import json
+import os
 import re
 import signal
 import socket
@@ -65,6 +66,9 @@ def test_budget_run_leaves_a_complete_results_directory(tmp_path):
     # Where the run's CPU went, per process: the replay service's as well as the learner's and the actor's.
     assert set(summary["worker_cpu_s"]) == {"replay", "learner", "actor_0", "evaluator"}
     assert all(seconds > 0.5 for seconds in summary["worker_cpu_s"].values()), summary["worker_cpu_s"]
+    # And the cores each could use (the shared layout: all of this process's), which tell who shared a core.
+    every = sorted(os.sched_getaffinity(0))
+    assert summary["worker_cores"] == {name: every for name in summary["worker_cpu_s"]}
     assert summary["final_eval_return"] == summary["final_eval_return"]  # not NaN: a final evaluation ran
     eval_rows = _rows(d / "eval.csv")
     assert {"wall_seconds", "env_steps", "learner_steps", "return", "policy"} <= set(eval_rows[0])

@@ -22,14 +22,16 @@ from actorq_jax.telemetry.schema import CPU_CLOCK
 BITS = (32, 8)  # the end-to-end comparison: full-precision actors against int8 ones
 
 
-def measure_run(run_dir: Path, threshold: float) -> Dict[str, Any]:
+def measure_run(run_dir: Path, threshold: float, cores: Optional[int] = None) -> Dict[str, Any]:
     """The figures of one finished run: time/env steps/energy to target, rates, final return, actor phases.
 
     Time to target is `actorq_jax.analysis.aggregate.time_to_target`: a run that
     never reaches `threshold` has reached False and NaN time, env steps and
-    energy to target.
+    energy to target. `cores`: how many the run's machine gave it, for runs whose
+    summary does not say which cores each worker had (see core_load).
     """
     summary = json.loads(RunDir(run_dir).summary.read_text())
+    config = json.loads(RunDir(run_dir).config.read_text()).get("run", {}) if RunDir(run_dir).config.is_file() else {}
     eval_path = RunDir(run_dir).eval_csv
     evals = pd.read_csv(eval_path) if eval_path.is_file() and eval_path.stat().st_size else pd.DataFrame()
     reach = time_to_target(evals, threshold)
@@ -48,8 +50,45 @@ def measure_run(run_dir: Path, threshold: float) -> Dict[str, Any]:
         # A run stopped before its evaluator's final evaluation has none: NaN, as for a miss.
         "final_return": _number(summary.get("final_eval_return")),
         "actor_phase_s": phases,
-        "bound_by": bottleneck(phases, cpu),
+        "bound_by": bottleneck(phases, cpu, core_load(summary, config, cores)),
     }
+
+
+def _worker_cores(summary: Dict[str, Any], config: Dict[str, Any], cores: Optional[int]) -> Dict[str, List[int]]:
+    """The cores each worker could use: as the run recorded them, else from its flags and the machine's cores."""
+    if summary.get("worker_cores"):
+        return summary["worker_cores"]
+    if cores is None or config.get("launcher", "local") != "local":
+        return {}
+    from actorq_jax.launch.runtime import parse_cpu_list  # imports no JAX
+
+    every = list(range(cores))
+    pinned = config.get("layout") == "pinned" and cores > 1
+    default = {"learner": every[:1] if pinned else every, "replay": every[1:] if pinned else every}
+    flag = {"learner": "learner_cpus", "replay": "replay_cpus"}
+    result = {}
+    for name in summary.get("worker_cpu_s", {}):
+        role = name if name in flag else "actor"
+        text = config.get(flag.get(role, "actor_cpus"), "")
+        result[name] = list(parse_cpu_list(text)) if text else default.get(role, every[1:] if pinned else every)
+    return result
+
+
+def core_load(summary: Dict[str, Any], config: Dict[str, Any], cores: Optional[int] = None) -> Optional[Dict[str, float]]:
+    """How busy the actors' cores were over the run: "busy" (CPU-seconds of every worker sharing them per
+    wall second and core) and each such worker's share; None where the run did not record its workers' CPU."""
+    cpu, wall = summary.get("worker_cpu_s") or {}, float(summary.get("wall_seconds") or 0.0)
+    placed = _worker_cores(summary, config, cores)
+    actor_cores = set().union(*(set(c) for n, c in placed.items() if n.startswith("actor")))
+    if not cpu or wall <= 0 or not actor_cores:
+        return None
+    capacity = wall * len(actor_cores)
+    sharing = {name: seconds for name, seconds in cpu.items() if set(placed.get(name, ())) & actor_cores}
+    load = {"busy": sum(sharing.values()) / capacity}
+    for name, seconds in sharing.items():
+        key = "actors" if name.startswith("actor") else {"replay": "replay service"}.get(name, name)
+        load[key] = load.get(key, 0.0) + seconds / capacity
+    return load
 
 
 def _mean(values: List[float]) -> float:
@@ -85,12 +124,17 @@ def _number(value: Any) -> float:
     return math.nan if value is None else float(value)
 
 
-def bottleneck(phases: Dict[str, float], cpu_phases: Optional[Dict[str, float]] = None) -> str:
+FULL = 0.9  # the actors' cores count as full at this share of their capacity (sampling misses a process's last moments)
+
+
+def bottleneck(phases: Dict[str, float], cpu_phases: Optional[Dict[str, float]] = None,
+               load: Optional[Dict[str, float]] = None) -> str:
     """What bound the run, from its timers: the limiter (learner-bound actors), the actors' core, or their largest phase.
 
     `cpu_phases` (the same phases' CPU seconds) tells a phase that computes from one
     that waits for a core shared with other processes: actors that computed under
     half of their working wall time were bound by CPU, not by any phase's work.
+    `load` (core_load) names who filled the actors' cores, the replay service included.
     """
     total = sum(phases.values())
     if total <= 0:
@@ -103,6 +147,10 @@ def bottleneck(phases: Dict[str, float], cpu_phases: Optional[Dict[str, float]] 
     label = {"env_step": "env", "inference": "actor inference", "adder": "replay writes"}.get(name, f"variables ({name})")
     largest = f"{label} ({work[name] / total:.0%} of actor time)"
     working = sum(work.values())
+    if load and load["busy"] >= FULL:
+        shares = ", ".join(f"{name} {share:.0%}" for name, share in sorted(load.items(), key=lambda kv: -kv[1])
+                           if name != "busy")
+        return f"CPU on the actors' cores ({load['busy']:.0%} busy: {shares}; largest actor phase {largest})"
     if cpu_phases and working > 0:
         busy = sum(float(cpu_phases.get(p, 0.0)) for p in work) / working
         if busy < 0.5:

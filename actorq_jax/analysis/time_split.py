@@ -8,8 +8,9 @@ thread's CPU and the rest (sampling held by the rate limiter, or the process wai
 
 from __future__ import annotations
 
+import json
 import math
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import numpy as np
 import pandas as pd
@@ -17,7 +18,8 @@ from matplotlib.figure import Figure
 
 from actorq_jax.analysis.loading import PHASES
 from actorq_jax.analysis.plots import PHASE_COLORS
-from actorq_jax.analysis.run_figures import bottleneck
+from actorq_jax.analysis.run_figures import bottleneck, core_load
+from actorq_jax.run_dir import RunDir
 from actorq_jax.telemetry.schema import CPU_CLOCK
 
 GROUP = ["agent", "task", "layout", "actors", "regime", "bits", "comm_bits"]
@@ -31,11 +33,27 @@ def _phase_seconds(episodes: pd.DataFrame, suffix: str = "_s") -> Dict[str, floa
 
 
 def _bound(group: pd.DataFrame) -> str:
-    """What bound a group's runs, from their summed actor phases (their CPU too where every run has it)."""
+    """What bound a group's runs, from their summed actor phases (their CPU too where every run has it) and
+    the actors' cores' load averaged over runs (where every run has it)."""
     wall = {p: sum(s[p] for s in group["phase_s"]) for p in PHASES}
     cpus = list(group["phase_cpu_s"])
     cpu = {p: sum(c[p] for c in cpus) for p in PHASES} if all(c is not None for c in cpus) else None
-    return bottleneck(wall, cpu)
+    loads = list(group["core_load"])
+    load = None
+    if all(loads):
+        keys = set().union(*loads)
+        load = {k: sum(x.get(k, 0.0) for x in loads) / len(loads) for k in keys}
+    return bottleneck(wall, cpu, load)
+
+
+def _core_load(run_dir: str, cores: Optional[int]) -> Optional[Dict[str, float]]:
+    """run_figures.core_load of one run directory (None where it lacks the figures)."""
+    run_dir_ = RunDir(run_dir)
+    try:
+        summary, config = json.loads(run_dir_.summary.read_text()), json.loads(run_dir_.config.read_text())
+    except (OSError, ValueError):
+        return None
+    return core_load(summary, config.get("run", {}), cores)
 
 
 def _actor_split(episodes: pd.DataFrame, phase_s: Dict[str, float]) -> Dict[str, float]:
@@ -61,9 +79,11 @@ def _learner_split(rows: pd.DataFrame) -> Dict[str, float]:
     return {"learner_wall_ms": wall, "learner_cpu_ms": cpu}
 
 
-def time_split(runs: pd.DataFrame, actors: pd.DataFrame, learner: pd.DataFrame) -> pd.DataFrame:
+def time_split(runs: pd.DataFrame, actors: pd.DataFrame, learner: pd.DataFrame,
+               cores: Optional[int] = None) -> pd.DataFrame:
     """One row per (agent, task, layout, actor layout, regime, actor bits, wire bits): mean over runs of the actors'
-    and the learner's ms per step, with the run count and what bound the runs (from the summed actor phases)."""
+    and the learner's ms per step, with the run count and what bound the runs (from the summed actor phases and,
+    where measured, the actors' cores' load; `cores`: the machine's, for runs that did not record theirs)."""
     rows: List[Dict[str, object]] = []
     for run in runs[runs["complete"]].itertuples(index=False):
         episodes = actors[actors["run"] == run.run] if not actors.empty else actors
@@ -73,6 +93,8 @@ def time_split(runs: pd.DataFrame, actors: pd.DataFrame, learner: pd.DataFrame) 
         row["phase_s"] = _phase_seconds(episodes)
         # CPU per phase only from the process clock (one thread's clock missed XLA's threads).
         row["phase_cpu_s"] = _phase_seconds(episodes, "_cpu_s") if run.cpu_clock == CPU_CLOCK else None
+        run_dir = getattr(run, "run_dir", None)
+        row["core_load"] = _core_load(run_dir, cores) if isinstance(run_dir, str) else None
         row.update(_actor_split(episodes, row["phase_s"]))
         row.update(_learner_split(learner[learner["run"] == run.run] if not learner.empty else learner))
         # What serving the actors and the learner cost the replay service, per env step (not an actor phase).
@@ -90,7 +112,7 @@ def time_split(runs: pd.DataFrame, actors: pd.DataFrame, learner: pd.DataFrame) 
     grouped = frame.groupby(GROUP, sort=False)
     table = grouped[numeric].mean()
     table["runs"] = grouped.size()
-    table["bound_by"] = grouped[["phase_s", "phase_cpu_s"]].apply(_bound)
+    table["bound_by"] = grouped[["phase_s", "phase_cpu_s", "core_load"]].apply(_bound)
     table = table.reset_index()
     order = table.sort_values(GROUP, ascending=[True] * (len(GROUP) - 2) + [False, False])
     return order.reset_index(drop=True)[columns]

@@ -397,6 +397,9 @@ class Launcher:
         summary["actor_time_s"] = totals
         summary["actor_cpu_time_s"] = cpu  # beside the wall time: what the actors' threads computed
         summary["worker_cpu_s"] = self.cpu.by_worker()  # each process's CPU, the replay service's included
+        if self.run.launcher == "local":  # the cores each worker could use: which of them shared a core
+            every = sorted(os.sched_getaffinity(0))
+            summary["worker_cores"] = {w.name: list(runtime.role_cpus(w.role, self.run)) or every for w in self.workers}
         for role in ("learner", "replay"):
             summary[f"{role}_restarts"] = next((w.restarts for w in self.workers if w.role == role), 0)
         return summary
