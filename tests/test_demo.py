@@ -1,0 +1,34 @@
+"""experiments/demo.py: what its closing lines say about two runs (hand-made figures), and its flag checks."""
+
+import math
+
+import pytest
+from launch_support import load_script, usage_error
+
+demo = load_script("demo")
+
+
+def _figures(seconds: float, env_steps: float, rate: float = 1000.0) -> dict:
+    reached = seconds == seconds
+    return {"reached": reached, "time_to_target_s": seconds, "env_steps_to_target": env_steps if reached else math.nan,
+            "env_steps_per_s": rate, "bound_by": "CPU on the actors' cores"}
+
+
+def test_the_time_ratio_is_split_into_stepping_speed_and_env_steps_needed():
+    text = demo._explain(_figures(210.0, 376_000.0, 1700.0), _figures(240.0, 404_000.0, 1770.0))
+    assert "time to 900: q=32 210 s, q=8 240 s: q=8 0.88x as fast" in text
+    assert "env steps/s q=8 / q=32: 1.04x" in text
+    # 404,000 / 240 over 376,000 / 210 = 0.94; 404,000 / 376,000 = 1.07; their ratio is the 0.88 above.
+    assert "up to 900, q=8 stepped 0.94x as fast and needed 1.07x the env steps of q=32 (404,000 vs 376,000)" in text
+
+
+def test_a_run_that_missed_the_target_gives_no_ratio():
+    text = demo._explain(_figures(210.0, 376_000.0), _figures(math.nan, math.nan))
+    assert "q=8 not reached: no ratio (a run did not reach it)" in text
+    assert "stepped" not in text
+
+
+@pytest.mark.parametrize("seconds", ["0", "-5"])
+def test_a_budget_that_is_not_positive_is_refused_by_name(capsys, seconds):
+    assert f"--seconds_per_run must be > 0, got {float(seconds)}" in usage_error(
+        capsys, lambda: demo.main(["--seconds_per_run", seconds]))
