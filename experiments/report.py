@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import sys
 import tempfile
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import matplotlib
 
@@ -121,6 +122,7 @@ def _e2e_row(run_dir: Path, threshold: float, cores: Optional[int]) -> Dict:
     per_step = {p: (1000 * wall.get(p, 0.0) / steps, 1000 * cpu.get(p, 0.0) / steps) for p in wall}
     service = summary.get("worker_cpu_s", {}).get("replay")
     return {"bits": int(config["actor_bits"]), "seed": int(config["seed"]), "layout": config.get("layout", "shared"),
+            "task": config.get("task"),
             "run_dir": str(run_dir), "phase_ms": per_step,
             "service_cpu_ms": 1000 * service / steps if service else None, **measure_run(run_dir, threshold, cores)}
 
@@ -145,7 +147,6 @@ def _e2e_markdown(rows: List[Dict], threshold: float) -> List[str]:
 
 def render_rq3(study_dir: Path, figures_dir: Path, figure_link: str) -> str:
     """RQ1/RQ3's end-to-end tables (q=8 against q=32 actors), one per recorded benchmarks/end_to_end.py grid."""
-    import json
 
     import pandas as pd
 
@@ -154,11 +155,7 @@ def render_rq3(study_dir: Path, figures_dir: Path, figure_link: str) -> str:
     sources = analysis.read_study(study_dir).get("sources", {})
     lines = _provenance(study_dir, sum(len(s.get("runs_collected", [])) for s in sources.values()))
     for name, source in sorted(sources.items()):
-        index_path = study_dir / "sweeps" / f"{name}.json"
-        index = json.loads(index_path.read_text()) if index_path.is_file() else {}
-        threshold = float(index.get("threshold", 900.0))
-        cores = source.get("collected_on", {}).get("cores")
-        rows = [_e2e_row(study_dir / run, threshold, cores) for run in source.get("runs_collected", [])]
+        threshold, rows = _grid_rows(study_dir, name, source)
         rows.sort(key=lambda r: (r["layout"], r["seed"], -r["bits"]))
         lines += ["", f"**`{name}`** (target {threshold:g}: the first evaluation whose mean fp32 return reaches it):", ""]
         lines += _e2e_markdown(rows, threshold)
@@ -186,8 +183,68 @@ def render_rq3(study_dir: Path, figures_dir: Path, figure_link: str) -> str:
     return "\n".join(lines)
 
 
+def _grid_rows(study_dir: Path, name: str, source: Dict) -> Tuple[float, List[Dict]]:
+    """One recorded end-to-end grid: its target and its runs' rows (_e2e_row)."""
+    import json
+
+    index_path = study_dir / "sweeps" / f"{name}.json"
+    threshold = float((json.loads(index_path.read_text()) if index_path.is_file() else {}).get("threshold", 900.0))
+    cores = source.get("collected_on", {}).get("cores")
+    return threshold, [_e2e_row(study_dir / run, threshold, cores) for run in source.get("runs_collected", [])]
+
+
+def render_rq1(study_dir: Path, figures_dir: Path, figure_link: str) -> str:
+    """RQ1's multi-task table: q=8 against q=32 actors per task (one recorded end-to-end grid per task) and its figure."""
+    import pandas as pd
+
+    from actorq_jax.analysis.run_figures import BITS, headline
+
+    def mean(rows: List[Dict], key: str, pattern: str) -> str:
+        values = [r[key] for r in rows if r[key] == r[key]]
+        return format(sum(values) / len(values), pattern) if values else "-"
+
+    sources = analysis.read_study(study_dir).get("sources", {})
+    lines = _provenance(study_dir, sum(len(s.get("runs_collected", [])) for s in sources.values()))
+    lines += ["", "| task | target | q | seeds | reached | time to target (s) | env steps to target | Wh to target | "
+              "env steps/s | SGD steps/s | final return | time speedup q=8 | energy ratio q=32/q=8 |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    points, targets = [], {}
+    for name, source in sorted(sources.items()):
+        threshold, rows = _grid_rows(study_dir, name, source)
+        for task in sorted({r["task"] for r in rows}):
+            task_rows = [r for r in rows if r["task"] == task]
+            head = headline(task_rows, "pinned") if all(r["layout"] == "pinned" for r in task_rows) else {}
+            for bits in BITS:
+                group = [r for r in task_rows if r["bits"] == bits]
+                if not group:
+                    continue
+                finals = [r["final_return"] for r in group]
+                ratios = ["-", "-"] if bits == 32 else [
+                    "-" if head.get(k, math.nan) != head.get(k, math.nan) else f"{head[k]:.2f}x"
+                    for k in ("time_to_target_speedup_q8", "energy_to_target_ratio_q8")]
+                lines.append(f"| {task} | {threshold:g} | {bits} | {len(group)} | {sum(r['reached'] for r in group)} | "
+                             f"{mean(group, 'time_to_target_s', '.0f')} | {mean(group, 'env_steps_to_target', ',.0f')} | "
+                             f"{mean([dict(r, wh=1000 * r['energy_to_target_kwh']) for r in group], 'wh', '.3f')} | "
+                             f"{mean(group, 'env_steps_per_s', '.0f')} | {mean(group, 'learner_steps_per_s', '.1f')} | "
+                             f"{' / '.join('-' if f != f else f'{f:.0f}' for f in finals)} | {ratios[0]} | {ratios[1]} |")
+            targets[task] = threshold
+        runs = analysis.load_runs([r["run_dir"] for r in rows if r["bits"] in BITS])
+        points.append(analysis.eval_points(analysis.load_evals(runs)))
+    lines += ["", "Means over the seeds that reached the target (`-`: none did; a miss never counts as the budget); "
+              "final return: each seed's final evaluation (fp32 policy), in seed order. Time speedup: mean time to "
+              "target at q=32 over q=8's; energy ratio likewise (codecarbon, prorated to the time of the target)."]
+    frame = pd.concat(points, ignore_index=True) if points else pd.DataFrame()
+    if not frame.empty:
+        figure = analysis.plot_return_curves(frame, "wall_seconds", targets=pd.Series(targets))
+        figure.suptitle("q=8 against q=32 actors per task: line = mean over seeds, band = range", fontsize="small")
+        analysis.save_figure(figure, figures_dir / "rq1_multitask.png")
+        lines += ["", f"![return against wall time per task]({figure_link}rq1_multitask.png)"]
+    return "\n".join(lines)
+
+
 # Study name -> its renderer. A study under results/records without one is listed, not rendered.
-STUDIES: Dict[str, Callable[[Path, Path, str], str]] = {"rq2": render_rq2, "rq3": render_rq3, "rq4": render_rq4}
+STUDIES: Dict[str, Callable[[Path, Path, str], str]] = {
+    "rq1": render_rq1, "rq2": render_rq2, "rq3": render_rq3, "rq4": render_rq4}
 
 
 def replace_block(text: str, study: str, block: str) -> str:

@@ -1,6 +1,7 @@
 """One definition of time to target, record sets, and experiments/report.py over a hand-made record set."""
 
 import dataclasses
+import json
 import math
 from pathlib import Path
 
@@ -183,23 +184,27 @@ def test_collect_records_finished_runs_without_checkpoints_or_logs(tmp_path):
     assert (tmp_path / "records" / "rq4" / finished.name / "summary.json").is_file()
 
 
-def _e2e_run(root: Path, bits: int, wall_to_900: float, env_steps: int) -> str:
-    """A finished pinned end-to-end run of `bits` whose second evaluation reaches 900 at wall_to_900 s."""
+def _e2e_run(root: Path, bits: int, wall_to_900: float, env_steps: int, task: str = "cartpole_balance",
+             seed: int = 0) -> str:
+    """A finished pinned end-to-end run of `bits` whose second evaluation reaches 900 at wall_to_900 s (never, at
+    NaN: it returns 800 there)."""
     from actorq_jax.launch.config import save_config
     from actorq_jax.launch.flags import parse_run
     from actorq_jax.telemetry import write_json
 
-    name = f"d4pg_pinned_q{bits}_s0"
-    run, agent = parse_run("d4pg", ["--actor_bits", str(bits), "--results_dir", str(root / "x")])
+    name = f"d4pg_pinned_q{bits}_s{seed}"
+    run, agent = parse_run("d4pg", ["--actor_bits", str(bits), "--task", task, "--seed", str(seed),
+                                    "--results_dir", str(root / "x")])
     (root / name).mkdir(parents=True)
     save_config(root / name / "config.json", dataclasses.replace(run, layout="pinned"), agent)
     write_json(root / name / "summary.json", {
         "env_steps": env_steps, "learner_steps": env_steps // 32, "wall_seconds": 300.0, "energy_kwh": 0.003,
-        "final_eval_return": 990.0, "exit_code": 0, "cpu_clock": "process", "worker_cpu_s": {"replay": env_steps * 4e-4},
+        "final_eval_return": 990.0 if wall_to_900 == wall_to_900 else 850.0, "exit_code": 0, "cpu_clock": "process", "worker_cpu_s": {"replay": env_steps * 4e-4},
         "actor_time_s": {"env_step": 30.0, "inference": 60.0 if bits == 32 else 15.0, "adder": 70.0},
         "actor_cpu_time_s": {"env_step": 28.0, "inference": 17.0 if bits == 32 else 10.0, "adder": 18.0}})
-    _evals([(20.0, 0, 0, 0, [100.0]), (wall_to_900, 1000, 500, 0, [950.0]), (300.0, 2000, 900, 1, [990.0])]).to_csv(
-        root / name / "eval.csv", index=False)
+    reached = wall_to_900 == wall_to_900
+    _evals([(20.0, 0, 0, 0, [100.0]), (wall_to_900 if reached else 200.0, 1000, 500, 0, [950.0 if reached else 800.0]),
+            (300.0, 2000, 900, 1, [990.0 if reached else 850.0])]).to_csv(root / name / "eval.csv", index=False)
     return name
 
 
@@ -223,3 +228,34 @@ def test_report_draws_the_end_to_end_table_from_a_recorded_grid(tmp_path):
     assert _cell(text, ["8", "0"], "actor ms per env step, wall / CPU: env step, inference, replay write") == \
         "0.08 / 0.08, 0.04 / 0.03, 0.19 / 0.05"
     assert (tmp_path / "figures" / "rq3_grid.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_report_draws_the_multi_task_table_one_recorded_grid_per_task(tmp_path):
+    records = tmp_path / "records" / "rq1"
+    (records / "sweeps").mkdir(parents=True)
+    sources = {}
+    for grid, task, runs in (("cartpole", "cartpole_balance", [(32, 200.0, 300_000), (8, 150.0, 360_000)]),
+                             ("walker", "walker_stand", [(32, 240.0, 150_000), (8, math.nan, 180_000)])):
+        home = records / grid
+        names = [_e2e_run(home, bits, wall, steps, task) for bits, wall, steps in runs]
+        for name in names:  # as report.py --collect lays them out: runs beside sweeps/, one index per grid
+            (home / name).rename(records / f"{grid}_{name}")
+        home.rmdir()
+        (records / "sweeps" / f"{grid}.json").write_text('{"threshold": 900.0}')
+        sources[grid] = {"runs_collected": [f"{grid}_{name}" for name in names], "collected_on": {"cores": 2}}
+    (records / "study.json").write_text(json.dumps({"study": "rq1", "sources": sources}))
+    results_md = tmp_path / "RESULTS.md"
+    results_md.write_text("<!-- report:rq1 -->\n<!-- /report:rq1 -->\n")
+    report = load_script("report")
+    assert report.main(["--records", str(tmp_path / "records"), "--results_md", str(results_md),
+                        "--figures", str(tmp_path / "figures")]) == 0
+    text = results_md.read_text()
+    assert _cell(text, ["cartpole_balance", "900", "8"], "time to target (s)") == "150"
+    assert _cell(text, ["cartpole_balance", "900", "8"], "time speedup q=8") == "1.33x"  # 200 / 150 s
+    assert _cell(text, ["cartpole_balance", "900", "8"], "env steps/s") == "1200"  # 360,000 env steps in 300 s
+    assert _cell(text, ["walker_stand", "900", "32"], "reached") == "1"
+    assert _cell(text, ["walker_stand", "900", "8"], "reached") == "0"
+    assert _cell(text, ["walker_stand", "900", "8"], "time to target (s)") == "-"  # a miss is not its budget
+    assert _cell(text, ["walker_stand", "900", "8"], "time speedup q=8") == "-"
+    assert _cell(text, ["walker_stand", "900", "8"], "final return") == "850"
+    assert (tmp_path / "figures" / "rq1_multitask.png").read_bytes().startswith(b"\x89PNG")
