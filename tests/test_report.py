@@ -199,13 +199,24 @@ def _e2e_run(root: Path, bits: int, wall_to_900: float, env_steps: int, task: st
     save_config(root / name / "config.json", dataclasses.replace(run, layout="pinned"), agent)
     write_json(root / name / "summary.json", {
         "env_steps": env_steps, "learner_steps": env_steps // 32, "wall_seconds": 300.0, "energy_kwh": 0.003,
-        "final_eval_return": 990.0 if wall_to_900 == wall_to_900 else 850.0, "exit_code": 0, "cpu_clock": "process", "worker_cpu_s": {"replay": env_steps * 4e-4},
+        "final_eval_return": 990.0 if wall_to_900 == wall_to_900 else 850.0, "exit_code": 0,
+        "cpu_clock": "process", "worker_cpu_s": {"replay": env_steps * 4e-4},
         "actor_time_s": {"env_step": 30.0, "inference": 60.0 if bits == 32 else 15.0, "adder": 70.0},
         "actor_cpu_time_s": {"env_step": 28.0, "inference": 17.0 if bits == 32 else 10.0, "adder": 18.0}})
     reached = wall_to_900 == wall_to_900
     _evals([(20.0, 0, 0, 0, [100.0]), (wall_to_900 if reached else 200.0, 1000, 500, 0, [950.0 if reached else 800.0]),
             (300.0, 2000, 900, 1, [990.0 if reached else 850.0])]).to_csv(root / name / "eval.csv", index=False)
     return name
+
+
+def _render(tmp_path: Path, study: str) -> str:
+    """RESULTS.md's block of `study` as report.py draws it from tmp_path/records (figures to tmp_path/figures)."""
+    results_md = tmp_path / "RESULTS.md"
+    results_md.write_text(f"<!-- report:{study} -->\n<!-- /report:{study} -->\n")
+    report = load_script("report")
+    assert report.main(["--records", str(tmp_path / "records"), "--results_md", str(results_md),
+                        "--figures", str(tmp_path / "figures")]) == 0
+    return results_md.read_text()
 
 
 def test_report_draws_the_end_to_end_table_from_a_recorded_grid(tmp_path):
@@ -215,12 +226,7 @@ def test_report_draws_the_end_to_end_table_from_a_recorded_grid(tmp_path):
     (records / "sweeps" / "grid.json").write_text('{"threshold": 900.0, "command": "python benchmarks/end_to_end.py"}')
     (records / "study.json").write_text('{"study": "rq3", "sources": {"grid": {"runs_collected": %s}}}'
                                         % str(runs).replace("'", '"'))
-    results_md = tmp_path / "RESULTS.md"
-    results_md.write_text("<!-- report:rq3 -->\n<!-- /report:rq3 -->\n")
-    report = load_script("report")
-    assert report.main(["--records", str(tmp_path / "records"), "--results_md", str(results_md),
-                        "--figures", str(tmp_path / "figures")]) == 0
-    text = results_md.read_text()
+    text = _render(tmp_path, "rq3")
     assert _cell(text, ["8", "0"], "time to 900 (s)") == "150" and _cell(text, ["32", "0"], "time to 900 (s)") == "200"
     # 200 / 150 s to target; 1200 / 1000 env steps per second; the service's 0.40 ms of CPU per env step.
     assert "`time_to_target_speedup_q8` 1.33" in text and "`env_steps_per_s_ratio_q8` 1.2" in text
@@ -244,12 +250,7 @@ def test_report_draws_the_multi_task_table_one_recorded_grid_per_task(tmp_path):
         (records / "sweeps" / f"{grid}.json").write_text('{"threshold": 900.0}')
         sources[grid] = {"runs_collected": [f"{grid}_{name}" for name in names], "collected_on": {"cores": 2}}
     (records / "study.json").write_text(json.dumps({"study": "rq1", "sources": sources}))
-    results_md = tmp_path / "RESULTS.md"
-    results_md.write_text("<!-- report:rq1 -->\n<!-- /report:rq1 -->\n")
-    report = load_script("report")
-    assert report.main(["--records", str(tmp_path / "records"), "--results_md", str(results_md),
-                        "--figures", str(tmp_path / "figures")]) == 0
-    text = results_md.read_text()
+    text = _render(tmp_path, "rq1")
     assert _cell(text, ["cartpole_balance", "900", "8"], "time to target (s)") == "150"
     assert _cell(text, ["cartpole_balance", "900", "8"], "time speedup q=8") == "1.33x"  # 200 / 150 s
     assert _cell(text, ["cartpole_balance", "900", "8"], "env steps/s") == "1200"  # 360,000 env steps in 300 s
