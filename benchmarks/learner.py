@@ -26,6 +26,7 @@ the flops fraction is step FLOPs x steps per CPU second over the default
 option's matmul GFLOP per CPU second, measured in the same trials.
 
     python benchmarks/learner.py [--quick] [--json PATH] [--agents d4pg,dqn] [--sizes 256,1024,2048]
+    python benchmarks/learner.py --quick --xla_option vw512='--xla_cpu_prefer_vector_width=512'   # one more option
 
 --quick: the 256x3 cases only, 2 trials of 0.2 s (under a minute on a quiet machine).
 
@@ -272,11 +273,11 @@ def serve() -> int:
 class _WorkerProcess:
     """A worker subprocess for one XLA option: XLA on one thread plus that option's flags."""
 
-    def __init__(self, option: str):
+    def __init__(self, option: str, flags: str):
         self.option = option
         env = worker_env({"JAX_PLATFORMS": "cpu"})
         env.update(thread_env(1))
-        env["XLA_FLAGS"] = " ".join(f for f in (os.environ.get("XLA_FLAGS", ""), OPTIONS[option],
+        env["XLA_FLAGS"] = " ".join(f for f in (os.environ.get("XLA_FLAGS", ""), flags,
                                                 thread_env(1)["XLA_FLAGS"]) if f)
         self.xla_flags = env["XLA_FLAGS"]
         self.log = tempfile.TemporaryFile(mode="w+")
@@ -478,16 +479,25 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--json", default=None, help="write results here")
     parser.add_argument("--agents", default=",".join(AGENTS), help="comma list of agents")
     parser.add_argument("--sizes", default=None, help="comma list of hidden sizes H of the H x3 policy")
-    parser.add_argument("--worker", default=None, choices=sorted(OPTIONS), help=argparse.SUPPRESS)
+    parser.add_argument("--xla_option", action="append", default=[], metavar="NAME=FLAGS",
+                        help="another XLA option to time beside the default ones, e.g. "
+                             "vw512='--xla_cpu_use_thunk_runtime=false --xla_cpu_prefer_vector_width=512' (repeatable)")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # a worker's option name
     args = parser.parse_args(argv)
     if args.worker is not None:
         return serve()
+    options = dict(OPTIONS)
+    for text in args.xla_option:
+        name, _, flags = text.partition("=")
+        if not name.isidentifier() or name in options or not flags.strip().startswith("--"):
+            parser.error(f"--xla_option: {text!r}; expected NAME=FLAGS with a new NAME and flags like --xla_cpu_...")
+        options[name] = flags.strip()
 
     agents = _names(args.agents, AGENTS, str)
     sizes = _names(args.sizes, SIZES, int) if args.sizes else ((256,) if args.quick else SIZES)
     trials, seconds = (2, 0.2) if args.quick else (7, 1.0)
     load_before = [round(v, 2) for v in os.getloadavg()]
-    workers = {option: _WorkerProcess(option) for option in OPTIONS}
+    workers = {option: _WorkerProcess(option, flags) for option, flags in options.items()}
     rows: List[Dict[str, Any]] = []
     try:
         for agent in agents:
