@@ -31,7 +31,7 @@ def test_learner_benchmark_quick_reports_finite_headline(tmp_path):
         assert isinstance(result["headline"][key], float) and math.isfinite(result["headline"][key]), key
         assert result["headline"][key] > 0, key
     cases = {(r["agent"], r["hidden"], r["xla"], r["variant"]) for r in result["rows"]}
-    assert cases == {(agent, 256, xla, variant) for agent in ("d4pg", "dqn") for xla in ("default", "no_thunk")
+    assert cases == {(agent, 256, xla, variant) for agent in ("d4pg", "dqn") for xla in ("default", "learner")
                      for variant in ("step", "donate", "scan8", "live", "matmul")}
     for row in result["rows"]:
         if row["variant"] != "matmul":
