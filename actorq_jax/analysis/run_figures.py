@@ -60,18 +60,13 @@ def _worker_cores(summary: Dict[str, Any], config: Dict[str, Any], cores: Option
         return summary["worker_cores"]
     if cores is None or config.get("launcher", "local") != "local":
         return {}
-    from actorq_jax.launch.runtime import parse_cpu_list  # imports no JAX
+    from types import SimpleNamespace
 
-    every = list(range(cores))
-    pinned = config.get("layout") == "pinned" and cores > 1
-    default = {"learner": every[:1] if pinned else every, "replay": every[1:] if pinned else every}
-    flag = {"learner": "learner_cpus", "replay": "replay_cpus"}
-    result = {}
-    for name in summary.get("worker_cpu_s", {}):
-        role = name if name in flag else "actor"
-        text = config.get(flag.get(role, "actor_cpus"), "")
-        result[name] = list(parse_cpu_list(text)) if text else default.get(role, every[1:] if pinned else every)
-    return result
+    from actorq_jax.launch.runtime import role_cpus  # imports no JAX
+
+    every, run = list(range(cores)), SimpleNamespace(**config)
+    # Worker names are roles ("learner", "replay", "evaluator") or actor_N, which role_cpus places as actors.
+    return {name: list(role_cpus(name, run, every)) or every for name in summary.get("worker_cpu_s", {})}
 
 
 def core_load(summary: Dict[str, Any], config: Dict[str, Any], cores: Optional[int] = None) -> Optional[Dict[str, float]]:

@@ -89,19 +89,20 @@ def cpu_list_problem(text: str) -> Optional[str]:
     return None
 
 
-def role_cpus(role: str, run: Any) -> Tuple[int, ...]:
+def role_cpus(role: str, run: Any, available: Optional[List[int]] = None) -> Tuple[int, ...]:
     """The cores a role is pinned to: its --*_cpus flag, else what --layout gives it (() for every core).
 
     --learner_cpus pins the learner, --replay_cpus the replay service, --actor_cpus the actors and the
     evaluator. --layout pinned gives the learner the first core this process may use and every other
-    role the rest, as the paper's learner had a device of its own.
+    role the rest, as the paper's learner had a device of its own. `available`: the cores to place on
+    (default: those this process may use).
     """
     flag = {"learner": "learner_cpus", "replay": "replay_cpus"}.get(role, "actor_cpus")
     text = getattr(run, flag, "")
     if text:
         return parse_cpu_list(text)
     if getattr(run, "layout", "shared") == "pinned":
-        available = sorted(os.sched_getaffinity(0))
+        available = sorted(os.sched_getaffinity(0) if available is None else available)
         if len(available) < 2:
             return ()  # one core: nothing to separate (the flags refuse this before a run starts)
         return (available[0],) if role == "learner" else tuple(available[1:])
