@@ -76,6 +76,64 @@ def test_service_answers_checkpoint_requests_and_refuses_bad_ones(tmp_path):
         service.stop()
 
 
+@pytest.mark.process
+@pytest.mark.timeout(120)
+def test_a_checkpoint_request_outlasts_a_busy_server_and_allows_for_the_tables_size(tmp_path, monkeypatch):
+    # A large table's checkpoint holds the server up: a look at the replies table can miss its few seconds
+    # (Reverb's DeadlineExceededError) while the checkpoint is being written. Here the first looks miss.
+    import reverb
+
+    from actorq_jax.agents.d4pg.config import D4PGConfig
+    from actorq_jax.environments import environment_spec, make_environment
+    from actorq_jax.launch import runtime
+    from actorq_jax.launch.replay_service import (
+        CHECKPOINT_S_PER_ITEM,
+        REPLIES_TABLE,
+        ReplayService,
+        ServiceClient,
+        ServiceError,
+    )
+    from actorq_jax.replay import messages
+
+    run = RunConfig(task="cartpole_balance", results_dir=str(tmp_path))
+    agent = D4PGConfig(policy_layers=(8,), critic_layers=(8,))
+    builder = runtime.make_builder("d4pg", agent, environment_spec(make_environment("cartpole_balance", seed=0)))
+    service = ReplayService(builder, run, tmp_path, "{}", resume=False)
+    done = threading.Event()
+    served = service.serve_in_thread(done)
+    real_take, missed = messages.take_messages, []
+
+    def busy_then_real(client, table, timeout_s=5):
+        # Only the requester's looks at the replies miss; the service's own loop reads its requests as usual.
+        if table == REPLIES_TABLE and len(missed) < 3:
+            missed.append(table)
+            raise reverb.errors.DeadlineExceededError("ServerInfo call did not complete within provided timeout")
+        return real_take(client, table, timeout_s)
+
+    def never_answers(client, table, timeout_s=5):
+        if table == REPLIES_TABLE:
+            raise reverb.errors.DeadlineExceededError("ServerInfo call did not complete within provided timeout")
+        return real_take(client, table, timeout_s)
+
+    try:
+        monkeypatch.setattr(messages, "take_messages", busy_then_real)
+        client = ServiceClient(service.client, timeout_s=10)
+        assert client.checkpoint("step_1", keep=[])["name"] == "step_1" and len(missed) == 3
+        assert (tmp_path / "replay_checkpoints" / "step_1" / "DONE").exists()
+        # A server that never answers: the request gives up at its deadline, the table's allowance included.
+        monkeypatch.setattr(messages, "take_messages", never_answers)
+        client = ServiceClient(service.client, timeout_s=0.5)
+        items = int(1.0 / CHECKPOINT_S_PER_ITEM)  # one more second
+        start = time.monotonic()
+        with pytest.raises(ServiceError, match=r"did not answer 'checkpoint' within 1.5 s"):
+            client.checkpoint("step_2", keep=[], items=items)
+        assert 1.4 < time.monotonic() - start < 5.0
+    finally:
+        done.set()
+        served.join()
+        service.stop()
+
+
 def _listening_ports(pid: int) -> set:
     return {c.laddr.port for c in psutil.Process(pid).net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN}
 

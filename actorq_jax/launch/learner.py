@@ -172,8 +172,11 @@ class Learner:
             return True
         name = f"step_{self.steps}"
         try:
-            # The service keeps the replay checkpoints of the states still kept, and this new one.
-            self.service.checkpoint(name, keep=[c.get("replay_checkpoint") for c in self.checkpointer.kept_counters()])
+            # The service keeps the replay checkpoints of the states still kept, and this new one. The table holds
+            # at most every transition so far, or its capacity: the wait allows for writing that many.
+            items = min(self.env_steps(), int(self.builder.replay_config().max_size))
+            self.service.checkpoint(name, keep=[c.get("replay_checkpoint") for c in self.checkpointer.kept_counters()],
+                                    items=items)
         except SERVICE_ERRORS as error:
             log.warning("no checkpoint at step %d: the replay service could not write one (%s)", self.steps, error)
             return False

@@ -46,6 +46,9 @@ POLL_S = 0.05
 LEARNER_FINAL_GRACE_S = 60.0
 # The same when the launcher is gone: nobody waits for the run, so the workers leave within seconds.
 ORPHAN_LEARNER_GRACE_S = 20.0
+# A checkpoint's time grows with the table: about 44 s for a million walker transitions on a core shared
+# with the actors (2-core Zen 5). A checkpoint request waits this much per item beyond the usual timeout.
+CHECKPOINT_S_PER_ITEM = 1e-4
 
 
 class ServiceError(RuntimeError):
@@ -77,26 +80,40 @@ class ServiceClient:
         self._client = client
         self.timeout_s = float(timeout_s)
 
-    def checkpoint(self, name: str, keep: Sequence[str]) -> Dict[str, Any]:
-        """Has the service write its tables to replay checkpoint `name` and delete those not in `keep`; its reply."""
-        return self.request({"op": "checkpoint", "name": name, "keep": [k for k in keep if k]})
+    def checkpoint(self, name: str, keep: Sequence[str], items: int = 0) -> Dict[str, Any]:
+        """Has the service write its tables to replay checkpoint `name` and delete those not in `keep`; its reply.
 
-    def request(self, message: Dict[str, Any]) -> Dict[str, Any]:
-        """Sends one request and waits for its reply; ServiceError on a refusal or past the timeout."""
+        `items`: about how many the replay table holds; writing them takes time, which the wait allows for.
+        """
+        return self.request({"op": "checkpoint", "name": name, "keep": [k for k in keep if k]},
+                            self.timeout_s + CHECKPOINT_S_PER_ITEM * max(0, items))
+
+    def request(self, message: Dict[str, Any], timeout_s: Optional[float] = None) -> Dict[str, Any]:
+        """Sends one request and waits for its reply (up to `timeout_s`, default the client's timeout);
+        ServiceError on a refusal or past the timeout."""
+        import reverb
+
         from actorq_jax.replay.messages import send_message, take_messages
 
+        timeout_s = self.timeout_s if timeout_s is None else float(timeout_s)
         request_id = uuid.uuid4().hex
         send_message(self._client, REQUESTS_TABLE, {**message, "id": request_id}, self.timeout_s)
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
+            try:
+                replies = take_messages(self._client, REPLIES_TABLE)
+            except reverb.DeadlineExceededError:
+                # The server did not answer one look within its few seconds: it may be busy (writing a large
+                # checkpoint holds it up) or gone; either way the request's own deadline decides.
+                continue
             # Replies to requests of an earlier learner process (killed while waiting) are skipped.
-            for reply in take_messages(self._client, REPLIES_TABLE):
+            for reply in replies:
                 if reply.get("id") == request_id:
                     if reply.get("error"):
                         raise ServiceError(f"replay service refused {message.get('op')!r}: {reply['error']}")
                     return reply
             time.sleep(POLL_S)
-        raise ServiceError(f"replay service did not answer {message.get('op')!r} within {self.timeout_s:g} s")
+        raise ServiceError(f"replay service did not answer {message.get('op')!r} within {timeout_s:g} s")
 
 
 class ReplayService:
