@@ -169,8 +169,11 @@ def _run_one(entry: Dict[str, Any], script_cmd: List[str], passthrough: List[str
         stopper.child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
         code = stopper.child.wait()
         stopper.child = None
-    entry.update(exit_code=code, wall_seconds=round(time.monotonic() - start, 3), status="ok" if code == 0 else "failed")
-    print(f"[sweep] {label} {entry['name']}: exit code {code} after {entry['wall_seconds']:.0f} s", flush=True)
+    # A run stopped by the sweep's signal exits 0 after a clean shutdown, yet did not finish its budget.
+    status = "stopped" if stopper.requested else "ok" if code == 0 else "failed"
+    entry.update(exit_code=code, wall_seconds=round(time.monotonic() - start, 3), status=status)
+    print(f"[sweep] {label} {entry['name']}: {status}, exit code {code} after {entry['wall_seconds']:.0f} s",
+          flush=True)
     write_json(index_path, index)
     return code
 
@@ -237,7 +240,8 @@ def run_sweep(argv: Optional[Sequence[str]] = None) -> int:
             stopper.child.wait()
         index.update(finished=_now(), stopped=stopper.requested)
         write_json(index_path, index)
-    print(f"[sweep] {total - failures}/{total} runs ok; index: {index_path}", flush=True)
+    done = sum(entry["status"] in ("ok", "existing") for entry in index["runs"])
+    print(f"[sweep] {done}/{total} runs ok; index: {index_path}", flush=True)
     print(f"[sweep] plots: {sys.executable} experiments/plot.py {sweep_dir}", flush=True)
     return 1 if failures or stopper.requested else 0
 

@@ -299,6 +299,7 @@ def test_sweep_sigterm_stops_the_current_run_and_the_sweep(tmp_path):
             time.sleep(0.2)
         sweep.send_signal(signal.SIGTERM)
         assert sweep.wait(timeout=30) == 1
+        sweep_output = sweep.stdout.read().decode()
     finally:
         if sweep.poll() is None:
             sweep.kill()
@@ -306,7 +307,9 @@ def test_sweep_sigterm_stops_the_current_run_and_the_sweep(tmp_path):
     assert (first / "stopped").exists()  # the run got SIGTERM and shut down
     index = json.loads((sweep_dir / "sweep.json").read_text())
     assert index["stopped"] is True and index["finished"]
-    assert [(r["status"], r["exit_code"]) for r in index["runs"]] == [("ok", 0), ("not run (sweep stopped)", None)]
+    # The stopped run exited 0 (a clean shutdown) but did not finish its budget, and the second never ran.
+    assert [(r["status"], r["exit_code"]) for r in index["runs"]] == [("stopped", 0), ("not run (sweep stopped)", None)]
+    assert "0/2 runs ok" in sweep_output
     assert not (sweep_dir / "d4pg_cartpole_balance_q8_s0").exists()
 
 
