@@ -134,6 +134,54 @@ def test_a_checkpoint_request_outlasts_a_busy_server_and_allows_for_the_tables_s
         service.stop()
 
 
+@pytest.mark.process
+@pytest.mark.timeout(300)
+def test_sgd_goes_on_while_the_service_writes_a_checkpoint_which_keeps_the_state_of_its_step(tmp_path, monkeypatch):
+    import jax
+
+    from actorq_jax.launch import learner as learner_module
+
+    with dqn_service_learner_actor(tmp_path) as (service, learner, actor):
+        while learner.items() < 60:
+            actor.run_episode()
+        while learner.step() is None:
+            pass
+        # A large table: the service's write lasts until the test lets it go on.
+        release, real_checkpoint = threading.Event(), service.server.checkpoint
+
+        def slow_checkpoint(name):
+            assert release.wait(60)
+            return real_checkpoint(name)
+
+        monkeypatch.setattr(service.server, "checkpoint", slow_checkpoint)
+        monkeypatch.setattr(learner_module, "CHECKPOINT_POLL_S", 0.0)  # every look goes to the service
+        stop = threading.Event()
+        served = service.serve_in_thread(stop)
+        try:
+            asked_at, state_then = learner.steps, learner.state
+            assert learner.checkpoint(wait=False) is False and learner.checkpoint_pending
+            taken = 0
+            while taken < 5:  # SGD goes on meanwhile
+                taken += learner.step() is not None
+            assert learner.steps == asked_at + 5
+            assert learner.finish_checkpoint(wait=False) is False and learner.checkpoint_pending
+            assert not (tmp_path / "checkpoints" / str(asked_at)).exists()
+            release.set()
+            assert learner.finish_checkpoint(wait=True) and not learner.checkpoint_pending
+        finally:
+            release.set()
+            stop.set()
+            served.join()
+        counters = read_counters(tmp_path / "checkpoints")
+        assert counters["learner_steps"] == asked_at and counters["replay_checkpoint"] == f"step_{asked_at}"
+        assert (service.server.checkpoint_dir / f"step_{asked_at}" / "DONE").exists()
+        # The saved state is the one of the step asked for, not the one SGD reached since.
+        restored, _ = learner.checkpointer.restore(learner.state)
+        assert int(restored.steps) == asked_at
+        assert all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(restored),
+                                                        jax.tree_util.tree_leaves(state_then)))
+
+
 def _listening_ports(pid: int) -> set:
     return {c.laddr.port for c in psutil.Process(pid).net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN}
 

@@ -4,9 +4,10 @@ The run's Reverb server lives in the replay service (launch/replay_service.py),
 so a learner that dies takes no replay with it: the launcher restarts it from its
 last checkpoint (state and counters) and it goes on sampling the same live table.
 A checkpoint is a pair: the service writes the tables as `step_N` on the
-learner's request, then the learner saves its state naming that replay
+learner's request, then the learner saves its state of step N naming that replay
 checkpoint, so a service restarted from it (or a `--resume` of the whole run)
-restores a replay buffer that matches the learner's state.
+restores a replay buffer that matches the learner's state. SGD goes on while the
+service writes (tens of seconds for a large table); the final checkpoint waits.
 
 Every call to the service is bounded: a service that stops answering (killed and
 being restarted on the same port) is waited for, up to `server_timeout_s`, and
@@ -18,7 +19,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, NamedTuple, Optional
 
 import jax
 import reverb
@@ -28,7 +29,7 @@ from actorq_jax.launch import runtime
 from actorq_jax.launch.channel import RunChannel, make_channel
 from actorq_jax.launch.checkpoint import Checkpointer, finished_steps
 from actorq_jax.launch.config import RunConfig
-from actorq_jax.launch.replay_service import ServiceClient, ServiceError
+from actorq_jax.launch.replay_service import ServiceClient, ServiceError, checkpoint_request
 from actorq_jax.launch.run_rows import drop_rows_after, row_log
 from actorq_jax.quantization import QuantConfig
 from actorq_jax.replay import VariablePublisher
@@ -45,6 +46,10 @@ SAMPLE_TIMEOUT_MS = 1000
 FINAL_PUBLISH_TIMEOUT_S = 120.0
 REPORT_EVERY_S = 1.0
 SERVICE_START_TIMEOUT_S = 300.0
+# How often SGD looks for the reply to a checkpoint the service is writing (a look is one server_info call),
+# and how often a learner that waits for it does.
+CHECKPOINT_POLL_S = 0.5
+CHECKPOINT_WAIT_POLL_S = 0.05
 # What a call to a replay service that went away raises (the dataset's TensorFlow errors included).
 SERVICE_ERRORS = (reverb.DeadlineExceededError, RuntimeError, ConnectionError, ServiceError)
 
@@ -55,6 +60,16 @@ class ServiceGone(RuntimeError):
 
 class Diverged(RuntimeError):
     """A loss or a parameter of the learner is no longer finite."""
+
+
+class PendingCheckpoint(NamedTuple):
+    """A learner checkpoint of step `steps`, saved once the service has written its replay checkpoint."""
+
+    request_id: str
+    steps: int
+    state: Any
+    counters: Dict[str, Any]
+    deadline: float  # time.monotonic() past which it is given up
 
 
 class Learner:
@@ -94,6 +109,8 @@ class Learner:
             from actorq_jax.agents.multi_step import multi_sgd_step
 
             self._multi_step = multi_sgd_step(builder.sgd_step, run.sgd_steps_per_call)
+        self._pending: Optional[PendingCheckpoint] = None  # a checkpoint whose replay half is being written
+        self._last_poll = 0.0
         self._env_steps_cache = (0.0, int(counters.get("env_steps", 0)))
         # The count goes on from what was counted before, also when the service restarted from an older
         # replay checkpoint (its insert count went back; the env steps were taken all the same).
@@ -166,23 +183,68 @@ class Learner:
 
         return first_non_finite(metrics or {}) or first_non_finite(self.state, "state ")
 
-    def checkpoint(self) -> bool:
-        """Has the service checkpoint replay, then saves state and counters naming it; whether it was saved."""
+    def checkpoint(self, wait: bool = True) -> bool:
+        """Has the service checkpoint replay and saves state and counters naming it once the service has written
+        it; whether it was saved (with `wait` false: False while the service is still writing, see
+        finish_checkpoint)."""
+        # One at a time: an earlier checkpoint still being written is finished (or given up) first.
+        self.finish_checkpoint(wait=True)
         if self.checkpointer.has(self.steps):
             return True
         name = f"step_{self.steps}"
+        # The state and counters of this step: SGD may go on while the service writes replay (JAX arrays
+        # are immutable, so holding the state costs nothing).
+        counters = {"env_steps": self.env_steps(max_age_s=0.0), "learner_steps": self.steps,
+                    "replay_checkpoint": name, **(self.feedback.counters() if self.feedback is not None else {})}
         try:
             # The service keeps the replay checkpoints of the states still kept, and this new one. The table holds
             # at most every transition so far, or its capacity: the wait allows for writing that many.
-            items = min(self.env_steps(), int(self.builder.replay_config().max_size))
-            self.service.checkpoint(name, keep=[c.get("replay_checkpoint") for c in self.checkpointer.kept_counters()],
-                                    items=items)
+            items = min(counters["env_steps"], int(self.builder.replay_config().max_size))
+            keep = [c.get("replay_checkpoint") for c in self.checkpointer.kept_counters()]
+            request_id = self.service.send(checkpoint_request(name, keep))
         except SERVICE_ERRORS as error:
             log.warning("no checkpoint at step %d: the replay service could not write one (%s)", self.steps, error)
             return False
-        counters = {"env_steps": self.env_steps(max_age_s=0.0), "learner_steps": self.steps,
-                    "replay_checkpoint": name, **(self.feedback.counters() if self.feedback is not None else {})}
-        self.checkpointer.save(self.steps, self.state, counters)
+        self._pending = PendingCheckpoint(request_id, self.steps, self.state, counters,
+                                          time.monotonic() + self.service.checkpoint_timeout_s(items))
+        return self.finish_checkpoint(wait=wait)
+
+    @property
+    def checkpoint_pending(self) -> bool:
+        """Whether a checkpoint waits for the service to finish writing its replay half."""
+        return self._pending is not None
+
+    def finish_checkpoint(self, wait: bool) -> bool:
+        """Saves the pending checkpoint once the service has written its replay checkpoint; whether one was saved.
+
+        Without `wait` it looks at most every CHECKPOINT_POLL_S and returns at once: a large table takes tens of
+        seconds to write, which the learner spends on SGD rather than waiting.
+        """
+        pending = self._pending
+        if pending is None:
+            return False
+        if not wait and time.monotonic() - self._last_poll < CHECKPOINT_POLL_S:
+            return False
+        while True:
+            self._last_poll = time.monotonic()
+            try:
+                reply = self.service.poll(pending.request_id, "checkpoint")
+            except SERVICE_ERRORS as error:
+                log.warning("no checkpoint at step %d: the replay service could not write one (%s)", pending.steps,
+                            error)
+                self._pending = None
+                return False
+            if reply is not None:
+                break
+            if time.monotonic() >= pending.deadline:
+                log.warning("no checkpoint at step %d: the replay service did not write one in time", pending.steps)
+                self._pending = None
+                return False
+            if not wait:
+                return False
+            time.sleep(CHECKPOINT_WAIT_POLL_S)
+        self._pending = None
+        self.checkpointer.save(pending.steps, pending.state, pending.counters)
         return True
 
     def step(self) -> Optional[Dict[str, Any]]:
@@ -311,6 +373,7 @@ def run_learner(run: RunConfig, agent_config: Any, address: str, stop: threading
         if problem:
             raise Diverged(problem)
     except Diverged as error:
+        learner.finish_checkpoint(wait=True)  # a checkpoint being written was checked finite when it was asked for
         last = learner.checkpointer.latest_step()
         message = (f"learner diverged at step {learner.steps}: {error}; "
                    + (f"last finite checkpoint at step {last}" if last is not None else "no checkpoint was written"))
@@ -352,7 +415,9 @@ def _after_step(learner: Learner, csv_log: LearnerLog, metrics: Dict[str, Any]) 
     if log_row:
         csv_log.write(steps, learner.env_steps(), learner.builder.loggable_metrics(metrics), learner.publisher.totals())
     if checkpoint:
-        learner.checkpoint()
+        learner.checkpoint(wait=False)
+    elif learner.checkpoint_pending:
+        learner.finish_checkpoint(wait=False)
 
 
 class StatusReport:

@@ -85,35 +85,59 @@ class ServiceClient:
 
         `items`: about how many the replay table holds; writing them takes time, which the wait allows for.
         """
-        return self.request({"op": "checkpoint", "name": name, "keep": [k for k in keep if k]},
-                            self.timeout_s + CHECKPOINT_S_PER_ITEM * max(0, items))
+        return self.request(checkpoint_request(name, keep), self.checkpoint_timeout_s(items))
+
+    def checkpoint_timeout_s(self, items: int) -> float:
+        """How long a checkpoint of a table of about `items` items may take."""
+        return self.timeout_s + CHECKPOINT_S_PER_ITEM * max(0, items)
+
+    def send(self, message: Dict[str, Any]) -> str:
+        """Sends one request without waiting; its id, for `poll`."""
+        from actorq_jax.replay.messages import send_message
+
+        request_id = uuid.uuid4().hex
+        send_message(self._client, REQUESTS_TABLE, {**message, "id": request_id},
+                     self.timeout_s)
+        return request_id
+
+    def poll(self, request_id: str, op: str) -> Optional[Dict[str, Any]]:
+        """The reply to request `request_id` if it has come (one look), else None; ServiceError on a refusal."""
+        import reverb
+
+        from actorq_jax.replay.messages import take_messages
+
+        try:
+            replies = take_messages(self._client, REPLIES_TABLE)
+        except reverb.DeadlineExceededError:
+            # The server did not answer the look within its few seconds: it may be busy (writing a large
+            # checkpoint) or gone; the request's own deadline decides, not one look.
+            return None
+        # Replies to requests of an earlier learner process (killed while waiting) are skipped.
+        for reply in replies:
+            if reply.get("id") == request_id:
+                if reply.get("error"):
+                    raise ServiceError(f"replay service refused {op!r}: {reply['error']}")
+                return reply
+        return None
 
     def request(self, message: Dict[str, Any], timeout_s: Optional[float] = None) -> Dict[str, Any]:
         """Sends one request and waits for its reply (up to `timeout_s`, default the client's timeout);
         ServiceError on a refusal or past the timeout."""
-        import reverb
-
-        from actorq_jax.replay.messages import send_message, take_messages
-
         timeout_s = self.timeout_s if timeout_s is None else float(timeout_s)
-        request_id = uuid.uuid4().hex
-        send_message(self._client, REQUESTS_TABLE, {**message, "id": request_id}, self.timeout_s)
+        op = str(message.get("op"))
+        request_id = self.send(message)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            try:
-                replies = take_messages(self._client, REPLIES_TABLE)
-            except reverb.DeadlineExceededError:
-                # The server did not answer one look within its few seconds: it may be busy (writing a large
-                # checkpoint holds it up) or gone; either way the request's own deadline decides.
-                continue
-            # Replies to requests of an earlier learner process (killed while waiting) are skipped.
-            for reply in replies:
-                if reply.get("id") == request_id:
-                    if reply.get("error"):
-                        raise ServiceError(f"replay service refused {message.get('op')!r}: {reply['error']}")
-                    return reply
+            reply = self.poll(request_id, op)
+            if reply is not None:
+                return reply
             time.sleep(POLL_S)
-        raise ServiceError(f"replay service did not answer {message.get('op')!r} within {timeout_s:g} s")
+        raise ServiceError(f"replay service did not answer {op!r} within {timeout_s:g} s")
+
+
+def checkpoint_request(name: str, keep: Sequence[str]) -> Dict[str, Any]:
+    """The request that has the service write replay checkpoint `name` and delete those not in `keep`."""
+    return {"op": "checkpoint", "name": name, "keep": [k for k in keep if k]}
 
 
 class ReplayService:
