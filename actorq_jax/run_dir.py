@@ -12,6 +12,9 @@ nothing heavy: analysis code and flag parsing use it without JAX or Reverb.
 from pathlib import Path
 from typing import ClassVar, List, Union
 
+# The event a run's summary holds when a stop request (a signal), not a budget, ended it.
+STOP_EVENT = "stop requested"
+
 
 class RunDir:
     """Paths inside one run's results directory (nothing is created or read here)."""

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from actorq_jax.agents.registry import agent_names, get_agent
+from actorq_jax.analysis.records import stopped_before_budget
 from actorq_jax.launch.flags import parse_run
 from actorq_jax.launch.runtime import die_with_parent
 from actorq_jax.quantization.config import VALID_BITS
@@ -183,7 +184,7 @@ def unfinished(run_dir: Path) -> Optional[str]:
     summary = json.loads(RunDir(run_dir).summary.read_text())
     if summary.get("exit_code") != 0:
         return f"it exited {summary.get('exit_code')}"
-    if any(str(event).startswith("stop requested") for event in summary.get("events", [])):
+    if stopped_before_budget(summary):
         return "it was stopped before its budget"
     return None
 

@@ -153,6 +153,11 @@ def test_collect_records_finished_runs_without_checkpoints_or_logs(tmp_path):
     running = sweep / "d4pg_cartpole_balance_q8_s0"
     _copy_run(RECORDS / "rq2" / "d4pg_cartpole_balance_q32_s0", running)
     (running / "summary.json").unlink()  # still going
+    stopped = sweep / "d4pg_cartpole_balance_q6_s0"
+    _copy_run(RECORDS / "rq2" / "d4pg_cartpole_balance_q32_s0", stopped)
+    summary = json.loads((stopped / "summary.json").read_text())
+    summary["events"] = [*summary.get("events", []), "stop requested; shutting down"]  # a signal, not its budget
+    (stopped / "summary.json").write_text(json.dumps(summary))
     (sweep / "sweep.json").write_text('{"command": "python experiments/sweep.py", "started": "2026-01-01T00:00:00+00:00"}')
     written = analysis.collect(sweep, tmp_path / "records", "rq2")
     assert [p.name for p in written] == [finished.name]

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Union
 
 from actorq_jax.analysis.loading import SWEEP_INDEX, find_run_dirs, is_run_dir
-from actorq_jax.run_dir import RunDir
+from actorq_jax.run_dir import STOP_EVENT, RunDir
 from actorq_jax.telemetry.machine import cpu_model
 
 PathLike = Union[str, Path]
@@ -47,11 +47,17 @@ def _read_index(path: Path) -> Dict[str, Any]:
         raise ValueError(f"{path} is not valid JSON: {error}") from error
 
 
+def stopped_before_budget(summary: Dict[str, Any]) -> bool:
+    """Whether a run's summary says a stop request ended it before its budget."""
+    return any(str(event).startswith(STOP_EVENT) for event in summary.get("events", []))
+
+
 def collect(source: PathLike, records_root: PathLike, study: str) -> List[Path]:
     """Copies the finished runs of a sweep (or one run) directory into records_root/study; returns the records written.
 
     A run already recorded under the same name is replaced, so collecting a
-    sweep again while it runs adds the runs that have finished since.
+    sweep again while it runs adds the runs that have finished since. A run
+    that is still going (no summary) or was stopped before its budget is left out.
     """
     src = Path(source)
     if not src.is_dir():
@@ -68,7 +74,8 @@ def collect(source: PathLike, records_root: PathLike, study: str) -> List[Path]:
              if source_name != home.name for name in info.get("runs_collected", [])}
     written = []
     for run_dir in find_run_dirs(src):
-        if not RunDir(run_dir).summary.is_file():
+        summary_path = RunDir(run_dir).summary
+        if not summary_path.is_file() or stopped_before_budget(json.loads(summary_path.read_text())):
             continue
         target = out / (run_dir.name if run_dir.name not in taken else f"{home.name}_{run_dir.name}")
         if target.exists():

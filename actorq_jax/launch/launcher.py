@@ -30,7 +30,7 @@ from actorq_jax.launch.channel import FileChannel, RunChannel, make_channel
 from actorq_jax.launch.checkpoint import read_counters
 from actorq_jax.launch.config import RunConfig, save_config
 from actorq_jax.launch.placement import CpuMeter, LocalPlacement, Placement, WorkerProcess, ended, how_it_ended
-from actorq_jax.run_dir import RunDir
+from actorq_jax.run_dir import STOP_EVENT, RunDir
 from actorq_jax.telemetry.tensorboard import TensorBoardExport
 
 START_TIMEOUT_S = 300.0
@@ -257,7 +257,7 @@ class Launcher:
             if run.max_seconds is not None and elapsed >= run.max_seconds:
                 self._say(f"wall-clock budget reached ({elapsed:.0f} s)")
                 return 0
-        self._say("stop requested; shutting down")
+        self._say(f"{STOP_EVENT}; shutting down")
         return 0
 
     def _restart_actors(self) -> None:
