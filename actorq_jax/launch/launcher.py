@@ -15,6 +15,7 @@ remote actors already look, and fails clearly when something else holds it.
 """
 
 import dataclasses
+import importlib
 import json
 import math
 import os
@@ -119,6 +120,7 @@ class Launcher:
         from actorq_jax.telemetry import ProgressLine, write_json
 
         run = self.run
+        _import_summary_modules()
         for folder in (self.dir.logs, self.dir.status, self.dir.actors):
             folder.mkdir(parents=True, exist_ok=True)
         for stale in ("replay", "learner", "launcher"):
@@ -433,6 +435,13 @@ def make_placement(run: Any, results_dir: Path) -> Placement:
 def launch(run: RunConfig, agent_config: Any, stream: TextIO = sys.stderr) -> Dict[str, Any]:
     """Runs one experiment and returns its summary."""
     return Launcher(run, agent_config, stream).launch()
+
+
+def _import_summary_modules() -> None:
+    """Imports what the run's closing summary needs when the run starts: a checkout that changes under a
+    long run (a pull, an edit) then cannot break the summary the run ends with."""
+    for name in ("pandas", "actorq_jax.analysis.aggregate", "actorq_jax.telemetry.schema"):
+        importlib.import_module(name)
 
 
 def run_experiment(agent: str, argv: Optional[List[str]], description: Optional[str] = None) -> int:
