@@ -1,5 +1,6 @@
 """The replay service as a process of its own: the learner holds no server, and each can die without the other."""
 
+import contextlib
 import json
 import os
 import signal
@@ -45,21 +46,34 @@ def test_pinned_layout_gives_the_learner_the_first_core_and_flags_override_it(mo
     assert [role_cpus(role, shared) for role in ("learner", "replay", "actor")] == [()] * 3
 
 
-@pytest.mark.process
-@pytest.mark.timeout(120)
-def test_service_answers_checkpoint_requests_and_refuses_bad_ones(tmp_path):
+@contextlib.contextmanager
+def _serving_tiny_d4pg_service(results_dir):
+    """A replay service of a tiny D4PG on cartpole_balance, its loop served from a thread of this process."""
     from actorq_jax.agents.d4pg.config import D4PGConfig
     from actorq_jax.environments import environment_spec, make_environment
     from actorq_jax.launch import runtime
-    from actorq_jax.launch.replay_service import ReplayService, ServiceClient, ServiceError
+    from actorq_jax.launch.replay_service import ReplayService
 
-    run = RunConfig(task="cartpole_balance", results_dir=str(tmp_path))
+    run = RunConfig(task="cartpole_balance", results_dir=str(results_dir))
     agent = D4PGConfig(policy_layers=(8,), critic_layers=(8,))
     builder = runtime.make_builder("d4pg", agent, environment_spec(make_environment("cartpole_balance", seed=0)))
-    service = ReplayService(builder, run, tmp_path, "{}", resume=False)
+    service = ReplayService(builder, run, results_dir, "{}", resume=False)
     done = threading.Event()
     served = service.serve_in_thread(done)  # the service process's loop, in a thread of this one
     try:
+        yield service
+    finally:
+        done.set()
+        served.join()
+        service.stop()
+
+
+@pytest.mark.process
+@pytest.mark.timeout(120)
+def test_service_answers_checkpoint_requests_and_refuses_bad_ones(tmp_path):
+    from actorq_jax.launch.replay_service import ServiceClient, ServiceError
+
+    with _serving_tiny_d4pg_service(tmp_path) as service:
         client = ServiceClient(service.client, timeout_s=10)
         for name in ("step_1", "step_2", "step_3"):
             assert client.checkpoint(name, keep=["step_1"])["name"] == name
@@ -70,10 +84,6 @@ def test_service_answers_checkpoint_requests_and_refuses_bad_ones(tmp_path):
             client.checkpoint("../escape", keep=[])
         with pytest.raises(ServiceError, match="unknown request 'compact'"):
             client.request({"op": "compact"})
-    finally:
-        done.set()
-        served.join()
-        service.stop()
 
 
 @pytest.mark.process
@@ -83,24 +93,9 @@ def test_a_checkpoint_request_outlasts_a_busy_server_and_allows_for_the_tables_s
     # (Reverb's DeadlineExceededError) while the checkpoint is being written. Here the first looks miss.
     import reverb
 
-    from actorq_jax.agents.d4pg.config import D4PGConfig
-    from actorq_jax.environments import environment_spec, make_environment
-    from actorq_jax.launch import runtime
-    from actorq_jax.launch.replay_service import (
-        CHECKPOINT_S_PER_ITEM,
-        REPLIES_TABLE,
-        ReplayService,
-        ServiceClient,
-        ServiceError,
-    )
+    from actorq_jax.launch.replay_service import CHECKPOINT_S_PER_ITEM, REPLIES_TABLE, ServiceClient, ServiceError
     from actorq_jax.replay import messages
 
-    run = RunConfig(task="cartpole_balance", results_dir=str(tmp_path))
-    agent = D4PGConfig(policy_layers=(8,), critic_layers=(8,))
-    builder = runtime.make_builder("d4pg", agent, environment_spec(make_environment("cartpole_balance", seed=0)))
-    service = ReplayService(builder, run, tmp_path, "{}", resume=False)
-    done = threading.Event()
-    served = service.serve_in_thread(done)
     real_take, missed = messages.take_messages, []
 
     def busy_then_real(client, table, timeout_s=5):
@@ -115,7 +110,7 @@ def test_a_checkpoint_request_outlasts_a_busy_server_and_allows_for_the_tables_s
             raise reverb.errors.DeadlineExceededError("ServerInfo call did not complete within provided timeout")
         return real_take(client, table, timeout_s)
 
-    try:
+    with _serving_tiny_d4pg_service(tmp_path) as service:
         monkeypatch.setattr(messages, "take_messages", busy_then_real)
         client = ServiceClient(service.client, timeout_s=10)
         assert client.checkpoint("step_1", keep=[])["name"] == "step_1" and len(missed) == 3
@@ -128,10 +123,6 @@ def test_a_checkpoint_request_outlasts_a_busy_server_and_allows_for_the_tables_s
         with pytest.raises(ServiceError, match=r"did not answer 'checkpoint' within 1.5 s"):
             client.checkpoint("step_2", keep=[], items=items)
         assert 1.4 < time.monotonic() - start < 5.0
-    finally:
-        done.set()
-        served.join()
-        service.stop()
 
 
 @pytest.mark.process
