@@ -10,7 +10,8 @@ policy call on a [K, obs] batch, K env steps and K adder writes per actor step.
 Each trial starts one actor process per (K, backend), in alternating order, held to
 one thread; the actor runs --episodes rounds of K episodes of 1000 steps (walker's
 episodes all end at step 1000, so the K environments end together) and the first
-round is dropped (jit compilation, first pull).
+round is dropped (jit compilation, first pull). --quick runs the same code path on
+cartpole_balance (also 1000-step episodes) with a 256x3 policy: a smoke test.
 steps/s = env steps of a round / its wall time, median over the kept rounds of all
 trials; speedups are medians of the per-trial ratios. A third actor runs 4-bit
 weights (int4: the int8 backend's W4A8 packing) for comparison. adder_us_per_transition
@@ -35,12 +36,17 @@ from actorq_jax.telemetry.schema import ACTOR_PHASES
 ROOT = Path(__file__).resolve().parents[1]
 TASK = "walker_walk"
 LAYERS = (2048, 2048, 2048)
+# --quick is a smoke test of the same code path: a cheap environment and policy, so its four actor
+# processes spend their time on what the test checks (phases, rounds, headline), not on a 2048x3 fp32 forward.
+QUICK_TASK = "cartpole_balance"
+QUICK_LAYERS = (256, 256, 256)
 PHASES = ACTOR_PHASES
 # The measured actor joins as a remote actor of a one-actor run: ids below num_actors are the launcher's.
 ACTOR_ID = 1
 
 
-def _serve(backend: str, bits: int, envs: int, publish_every: float, stop: threading.Event, results_dir: str):
+def _serve(backend: str, bits: int, envs: int, publish_every: float, stop: threading.Event, results_dir: str,
+           task: str, layers: tuple):
     """Starts a replay service (its server and its loop) in this process; publishes variables until `stop`."""
     import jax
 
@@ -53,10 +59,10 @@ def _serve(backend: str, bits: int, envs: int, publish_every: float, stop: threa
     from actorq_jax.replay import ReplayTableConfig, VariablePublisher
 
     entry = get_agent("d4pg")
-    agent = entry.config_class(policy_layers=LAYERS)
-    run = RunConfig(agent="d4pg", task=TASK, results_dir=results_dir, actor_bits=bits, actor_backend=backend,
+    agent = entry.config_class(policy_layers=layers)
+    run = RunConfig(agent="d4pg", task=task, results_dir=results_dir, actor_bits=bits, actor_backend=backend,
                     update_period=100, num_actors=1, envs_per_actor=envs)
-    spec = environment_spec(make_environment(TASK, seed=0))
+    spec = environment_spec(make_environment(task, seed=0))
     builder = entry.make_builder(agent, spec)
     # No learner samples here, so the replay table must not rate-limit the actor.
     replay = ReplayTableConfig(name="replay", max_size=100_000, min_size=1, samples_per_insert=None)
@@ -79,12 +85,12 @@ def _serve(backend: str, bits: int, envs: int, publish_every: float, stop: threa
     return service, thread
 
 
-def _trial(backend: str, bits: int, envs: int, rounds: int, publish_every: float) -> tuple:
+def _trial(backend: str, bits: int, envs: int, rounds: int, publish_every: float, task: str, layers: tuple) -> tuple:
     """Runs one actor process with `envs` environments; env steps/s of each round after the first, and the
     median milliseconds per env step of each phase."""
     stop = threading.Event()
     with tempfile.TemporaryDirectory() as tmp:
-        service, thread = _serve(backend, bits, envs, publish_every, stop, tmp)
+        service, thread = _serve(backend, bits, envs, publish_every, stop, tmp, task, layers)
         try:
             env = worker_env()
             proc = subprocess.run(
@@ -144,7 +150,9 @@ def _ratio(per_trial: list, num: tuple, den: tuple) -> float:
 def main(argv=None) -> int:
     """Measures and prints the table; writes --json when asked."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one trial of 2 rounds per case, K = 1 and 8, fp32 and int8")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"a smoke test: one trial of 2 rounds per case, K = 1 and 8, fp32 and int8, {QUICK_TASK} "
+                             f"with a {'x'.join(map(str, QUICK_LAYERS))} policy")
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--episodes", type=int, default=3, help="rounds of K episodes per actor (the first is dropped)")
     parser.add_argument("--envs_per_actor", type=_envs_list, default=None,
@@ -155,6 +163,7 @@ def main(argv=None) -> int:
     trials, rounds = (1, 2) if args.quick else (args.trials, args.episodes)
     if rounds < 2:
         parser.error(f"--episodes must be >= 2 (the first round is dropped), got {rounds}")
+    task, layers = (QUICK_TASK, QUICK_LAYERS) if args.quick else (TASK, LAYERS)
     ks = args.envs_per_actor or ((1, 8) if args.quick else (1, 8, 32))
     backends = (("fp32", "fp32", 32), ("int8", "int8", 8), ("int4", "int8", 4))  # (name, backend, bits)
     backends = backends[:2] if args.quick else backends  # int4 is int8's code path with another packing
@@ -166,7 +175,7 @@ def main(argv=None) -> int:
         order = cases if trial % 2 == 0 else cases[::-1]
         this = {}
         for k, name, backend, bits in order:
-            this[(k, name)], trial_phases = _trial(backend, bits, k, rounds, args.publish_every)
+            this[(k, name)], trial_phases = _trial(backend, bits, k, rounds, args.publish_every, task, layers)
             rates[(k, name)] += this[(k, name)]
             phases[(k, name)].append(trial_phases)
         per_trial.append(this)
@@ -184,7 +193,7 @@ def main(argv=None) -> int:
             r["adder_ms_per_step"] for r in rows if r["envs_per_actor"] == 8)
         if 1 in ks:
             headline["steps_per_s_k8_over_k1_int8"] = _ratio(per_trial, (8, "int8"), (1, "int8"))
-    print(f"actor_throughput: one actor process, {TASK}, policy {'x'.join(map(str, LAYERS))}, "
+    print(f"actor_throughput: one actor process, {task}, policy {'x'.join(map(str, layers))}, "
           f"refresh every 100 env steps, {trials} trial(s), K = {', '.join(map(str, ks))}")
     print(f"{'K':>3} {'backend':>8} {'bits':>5} {'steps/s':>10} {'vs fp32':>8} {'rounds':>7}  ms/env step: "
           + " ".join(f"{p:>11}" for p in PHASES))
@@ -196,7 +205,8 @@ def main(argv=None) -> int:
     if args.json:
         from actorq_jax.telemetry.machine import machine_info
 
-        Path(args.json).write_text(json.dumps({"benchmark": "actor_throughput", "machine": machine_info(), "rows": rows,
+        Path(args.json).write_text(json.dumps({"benchmark": "actor_throughput", "machine": machine_info(), "task": task,
+                                               "policy_layers": list(layers), "rows": rows,
                                                "headline": headline}, indent=2))
     return 0
 
