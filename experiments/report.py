@@ -286,6 +286,9 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     if args.collect is not None:
         if not args.study:
             parser.error("--collect needs --study NAME")
+        if args.study not in STUDIES:
+            # A misspelt study would otherwise record the runs into a folder no table is drawn from.
+            parser.error(f"--study: {args.study!r} has no table of record; choose from {', '.join(STUDIES)}")
         missing = [d for d in args.collect if not Path(d).is_dir()]
         if missing:
             parser.error(f"--collect: not a directory: {', '.join(missing)}")

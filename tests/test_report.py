@@ -120,6 +120,17 @@ def test_report_refuses_a_results_file_without_the_study_markers(tmp_path, capsy
     assert "<!-- report:rq2 -->" in capsys.readouterr().err
 
 
+def test_collect_refuses_a_study_without_a_table_naming_it_and_records_nothing(tmp_path, capsys):
+    report = load_script("report")
+    records = tmp_path / "records"
+    with pytest.raises(SystemExit) as exit_info:
+        report.main(["--records", str(records), "--collect", str(RECORDS / "rq2"), "--study", "rq22"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--study: 'rq22' has no table of record" in err and "rq1, rq2, rq3, rq4" in err
+    assert not records.exists()
+
+
 def test_fewest_bits_is_none_when_no_lower_bit_width_is_within_tolerance():
     table = pd.DataFrame({"agent": "d4pg", "task": "t", "bits": [32, 8, 4], "final": [1000.0, 940.0, 980.0]})
     assert analysis.fewest_bits_within(table, 0.05) == {("d4pg", "t"): 4}
