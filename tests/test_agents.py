@@ -157,6 +157,8 @@ def test_registry_names_agents_and_rejects_unknown_or_conflicting_ones():
         register_agent(dataclasses.replace(get_agent("dqn"), default_task="Acrobot-v1"))
     with pytest.raises(ValueError, match="module:Class"):
         AgentEntry(name="x", config_class=TinyConfig, builder="no_colon", default_task="CartPole-v1")
+    with pytest.raises(ValueError, match="actions must be one of"):
+        AgentEntry(name="x", config_class=TinyConfig, builder=TinyBuilder, default_task="CartPole-v1", actions="box")
 
 
 @pytest.mark.parametrize("agent, config_class", [("d4pg", D4PGConfig), ("dqn", DQNConfig)])

@@ -178,6 +178,7 @@ def test_remote_actor_contributes_transitions(tmp_path):
         (["--comm_bits", "1"], "--comm_bits"),
         (["--num_actors", "0"], "--num_actors"),
         (["--task", "no_such_task"], "--task"),
+        (["--task", "CartPole-v1"], "--task: CartPole-v1 has 2 discrete actions; d4pg needs a task with continuous"),
         (["--policy_layers", "64,x"], "--policy_layers"),
         (["--granularity", "per_row"], "--granularity"),
         (["--actor_backend", "fp32", "--actor_bits", "8"], "--actor_backend"),
@@ -187,6 +188,13 @@ def test_bad_flags_exit_2_naming_the_flag(flags, named, tmp_path, capsys):
     err = usage_error(capsys, lambda: parse_run("d4pg", [*flags, "--results_dir", str(tmp_path / "r")]))
     assert named in err
     assert not (tmp_path / "r").exists()  # nothing started
+
+
+def test_an_agent_given_a_task_of_the_other_action_kind_is_a_usage_error(tmp_path, capsys):
+    err = usage_error(capsys, lambda: parse_run("dqn", ["--task", "cartpole_balance", "--results_dir",
+                                                        str(tmp_path / "r")]))
+    assert "--task: cartpole_balance has 1 continuous action(s); dqn needs a task with discrete actions" in err
+    assert not (tmp_path / "r").exists()
 
 
 @pytest.mark.process

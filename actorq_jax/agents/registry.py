@@ -25,6 +25,7 @@ _AGENTS: Dict[str, "AgentEntry"] = {}
 _DISCOVERED = False
 # Modules outside actorq_jax.agents that register agents when imported (comma-separated).
 AGENT_MODULES_ENV = "ACTORQ_AGENT_MODULES"
+ACTION_KINDS = ("discrete", "continuous", "any")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +43,9 @@ class AgentEntry:
     # Run flags of a short but meaningful run (small networks, short warm-up): what the --quick smoke runs of the
     # demo and benchmarks start; no --task (they choose it).
     quick: Tuple[str, ...] = ()
+    # The tasks it can act in: "discrete" or "continuous" actions, or "any". Checked when flags are parsed,
+    # so a mismatch is a usage error naming --task instead of a failed run.
+    actions: str = "any"
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.isidentifier():
@@ -50,6 +54,8 @@ class AgentEntry:
             raise ValueError(f"agent {self.name!r}: config_class must be a dataclass, got {self.config_class!r}")
         if isinstance(self.builder, str) and ":" not in self.builder:
             raise ValueError(f"agent {self.name!r}: builder must be 'module:Class', got {self.builder!r}")
+        if self.actions not in ACTION_KINDS:
+            raise ValueError(f"agent {self.name!r}: actions must be one of {ACTION_KINDS}, got {self.actions!r}")
         for preset in ("tiny", "quick"):
             flags = getattr(self, preset)
             if not isinstance(flags, tuple) or not all(isinstance(f, str) for f in flags):

@@ -68,6 +68,9 @@ def parse_run(agent: str, argv: Optional[Sequence[str]], description: Optional[s
     tasks = available_tasks()
     if values["task"] not in tasks:
         parser.error(f"--task: unknown task {values['task']!r}; valid tasks: {', '.join(tasks)}")
+    problem = task_problem(entry, values["task"])
+    if problem:
+        parser.error(f"--task: {problem}")
     results = Path(values["results_dir"])
     problem = results_dir_problem(results)
     if problem:
@@ -82,6 +85,21 @@ def parse_run(agent: str, argv: Optional[Sequence[str]], description: Optional[s
         field = str(error).split(" ", 1)[0].rpartition(".")[2]
         parser.error(f"--{field}: {error}" if field in agent_values else str(error))
     return RunConfig(**values), agent_config
+
+
+def task_problem(entry: Any, task: str) -> Optional[str]:
+    """Why agent `entry` cannot act in `task` (None when it can): its actions are of the other kind."""
+    if entry.actions == "any":
+        return None
+    from actorq_jax.environments import environment_spec, make_environment
+
+    spec = environment_spec(make_environment(task, seed=0))
+    kind = "discrete" if spec.discrete else "continuous"
+    if kind == entry.actions:
+        return None
+    size = f"{spec.num_actions} discrete actions" if spec.discrete else f"{spec.action_dim} continuous action(s)"
+    return (f"{task} has {size}; {entry.name} needs a task with {entry.actions} actions "
+            f"(its default: {entry.default_task})")
 
 
 def results_dir_problem(path: Path) -> Optional[str]:

@@ -6,6 +6,7 @@ from actorq_jax.agents.registry import AgentEntry, register_agent
 register_agent(AgentEntry(
     name="d4pg",
     config_class=D4PGConfig,
+    actions="continuous",
     builder="actorq_jax.agents.d4pg.builder:D4PGBuilder",
     default_task="cartpole_balance",
     description="Runs D4PG with quantized actors: learner + Reverb, N actors and an evaluator.",

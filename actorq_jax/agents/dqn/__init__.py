@@ -6,6 +6,7 @@ from actorq_jax.agents.registry import AgentEntry, register_agent
 register_agent(AgentEntry(
     name="dqn",
     config_class=DQNConfig,
+    actions="discrete",
     builder="actorq_jax.agents.dqn.builder:DQNBuilder",
     default_task="CartPole-v1",
     description="Runs DQN with quantized actors: learner + prioritized Reverb replay, N actors and an evaluator.",
