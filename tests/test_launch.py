@@ -177,6 +177,8 @@ def test_remote_actor_contributes_transitions(tmp_path):
         (["--actor_bits", "12"], "--actor_bits"),
         (["--comm_bits", "1"], "--comm_bits"),
         (["--num_actors", "0"], "--num_actors"),
+        (["--seed", "-3"], "--seed: must be in 0..4294967295, got -3"),
+        (["--seed", str(2**32)], "--seed: must be in 0..4294967295"),
         (["--task", "no_such_task"], "--task"),
         (["--task", "CartPole-v1"], "--task: CartPole-v1 has 2 discrete actions; d4pg needs a task with continuous"),
         (["--policy_layers", "64,x"], "--policy_layers"),

@@ -127,6 +127,9 @@ def run_config_problems(run: Any) -> List[Tuple[str, str]]:
     for name in ("learner_threads", "max_actor_restarts", "max_learner_restarts", "max_replay_restarts"):
         if getattr(run, name) < 0:
             problems.append((name, f"must be >= 0, got {getattr(run, name)}"))
+    # The seed becomes the learner's PRNG key, which keeps 32 bits without x64 (2**32 would train as seed 0).
+    if not 0 <= run.seed < 2**32:
+        problems.append(("seed", f"must be in 0..{2**32 - 1}, got {run.seed}"))
     if run.layout not in LAYOUTS:
         problems.append(("layout", f"{run.layout!r} not in {LAYOUTS}"))
     if run.learner_platform not in PLATFORMS:
