@@ -84,3 +84,39 @@ def test_checkpoints_seed_a_new_host_and_come_back_whole(tmp_path, monkeypatch):
                 for p in (results / tree).rglob("*") if p.is_file()} == files
     finally:
         placement.close()
+
+
+@pytest.mark.process
+@pytest.mark.timeout(120)
+def test_a_node_gone_before_its_energy_tracker_was_placed_reads_as_unmeasured(tmp_path, monkeypatch):
+    # A node that leaves right after a worker landed on it: its tracker, bound to that node, can never be
+    # placed (ActorUnschedulableError). The run's energy total says the node went unmeasured; it must not
+    # take the launcher's closing summary with it.
+    import math
+
+    import ray
+
+    from actorq_jax.launch.ray_energy import RayEnergyMeter
+    from actorq_jax.launch.ray_placement import RayPlacement
+
+    for name, value in RAY_SETTINGS.items():
+        monkeypatch.setenv(name, value)
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "config.json").write_text(json.dumps({"run": RUN, "agent": {}}))
+    run = SimpleNamespace(ray_address="", advertise_host="", learner_resources="", replay_resources="",
+                          actor_resources="")
+    placement = RayPlacement(run, results)
+    placement.open()
+    try:
+        live = ray.get_runtime_context().get_node_id()
+        gone = ("0" if live[0] != "0" else "1") + live[1:]  # a well-formed id of no node in this cluster
+        meter = RayEnergyMeter(results, "USA")
+        meter.start()
+        meter.node(gone, "127.0.0.1")
+        totals = meter.stop()
+        meter.release()
+    finally:
+        placement.close()
+    assert totals["energy_nodes"] == 1 and totals["energy_nodes_measured"] == 0
+    assert math.isnan(totals["energy_kwh"]) and math.isnan(totals["emissions_kg"])

@@ -80,7 +80,7 @@ class RayEnergyMeter:
     def stop(self) -> Dict[str, float]:
         """Stops every node's tracker; writes emissions.csv (a row per node) and returns the sums."""
         import ray
-        from ray.exceptions import GetTimeoutError, RayActorError
+        from ray.exceptions import GetTimeoutError, RayError
 
         duration = time.monotonic() - (self.started or time.monotonic())
         with self.lock:
@@ -89,8 +89,10 @@ class RayEnergyMeter:
         for agent in agents.values():
             try:
                 report, text = ray.get(agent.stop.remote(), timeout=CALL_TIMEOUT_S)
-            except (RayActorError, GetTimeoutError):
-                energy.append(math.nan)  # a node that left took its measurement with it
+            # A node that left took its measurement with it: its tracker died with it (RayActorError) or,
+            # bound to the node, could no longer be placed there (ActorUnschedulableError).
+            except (RayError, GetTimeoutError):
+                energy.append(math.nan)
                 emissions.append(math.nan)
                 continue
             energy.append(report.get("energy_kwh", math.nan))

@@ -89,12 +89,14 @@ class RayWorkerProcess:
         """The exit code once the worker exited (its log fetched first); None while it runs or when its host was
         lost (see `lost`)."""
         import ray
-        from ray.exceptions import RayActorError, RayTaskError
+        from ray.exceptions import RayError
 
         if not self._over() and ray.wait([self._run_ref], timeout=0)[0]:
             try:
                 code = int(ray.get(self._run_ref))
-            except (RayActorError, RayTaskError) as error:
+            # RayActorError (its node or Ray worker died), RayTaskError, and ActorUnschedulableError (a host
+            # bound to a node that left before it was placed): each leaves the worker without a host.
+            except RayError as error:
                 self.lost = f"its host is gone ({type(error).__name__}): its node or Ray worker died"
                 self._placement.lost(self._host, self.lost)
                 return None
@@ -226,12 +228,14 @@ class RayPlacement(Placement):
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         if role == "evaluator":
-            # Beside the replay service: it fetches every published policy from its server.
+            # Beside the replay service: it fetches every published policy from its server. Soft: a node
+            # noted for the service may be gone by the time the evaluator restarts, and a hard affinity to
+            # a dead node leaves the evaluator unschedulable instead of placed elsewhere.
             service = self.hosts.get("replay")
             node = service.where["node_id"] if service and service.where else None
             options: Dict[str, Any] = {"num_cpus": 0}
             if node:
-                options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
+                options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=True)
         else:
             resources = self.resources["actor" if role == "actor" else role]
             options = actor_options(resources)
