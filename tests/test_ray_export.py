@@ -33,6 +33,27 @@ def _checkpoints(results):
             for tree in ("checkpoints", "replay_checkpoints") for p in (results / tree).rglob("*") if p.is_file()}
 
 
+def _results(tmp_path):
+    """A results directory holding only the run's config."""
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "config.json").write_text(json.dumps({"run": RUN, "agent": {}}))
+    return results
+
+
+def _open_placement(results, monkeypatch):
+    """A RayPlacement for `results` on a private Ray instance (on 127.0.0.1); the caller closes it."""
+    from actorq_jax.launch.ray_placement import RayPlacement
+
+    for name, value in RAY_SETTINGS.items():
+        monkeypatch.setenv(name, value)
+    run = SimpleNamespace(ray_address="", advertise_host="", learner_resources="", replay_resources="",
+                          actor_resources="")
+    placement = RayPlacement(run, results)
+    placement.open()
+    return placement
+
+
 def test_a_host_takes_chunks_in_any_order_and_serves_them_back(tmp_path):
     host = WorkerHost("learner", json.dumps({"run": RUN, "agent": {}}))
     try:
@@ -55,18 +76,9 @@ def test_a_host_takes_chunks_in_any_order_and_serves_them_back(tmp_path):
 def test_checkpoints_seed_a_new_host_and_come_back_whole(tmp_path, monkeypatch):
     import ray
 
-    from actorq_jax.launch.ray_placement import RayPlacement
-
-    for name, value in RAY_SETTINGS.items():
-        monkeypatch.setenv(name, value)
-    results = tmp_path / "results"
-    results.mkdir()
-    (results / "config.json").write_text(json.dumps({"run": RUN, "agent": {}}))
+    results = _results(tmp_path)
     files = _checkpoints(results)
-    run = SimpleNamespace(ray_address="", advertise_host="", learner_resources="", replay_resources="",
-                          actor_resources="")
-    placement = RayPlacement(run, results)
-    placement.open()
+    placement = _open_placement(results, monkeypatch)
     try:
         host = placement._new_host("learner", "learner")  # seeded before its worker could start
         service = placement._new_host("replay", "replay")
@@ -97,17 +109,9 @@ def test_a_node_gone_before_its_energy_tracker_was_placed_reads_as_unmeasured(tm
     import ray
 
     from actorq_jax.launch.ray_energy import RayEnergyMeter
-    from actorq_jax.launch.ray_placement import RayPlacement
 
-    for name, value in RAY_SETTINGS.items():
-        monkeypatch.setenv(name, value)
-    results = tmp_path / "results"
-    results.mkdir()
-    (results / "config.json").write_text(json.dumps({"run": RUN, "agent": {}}))
-    run = SimpleNamespace(ray_address="", advertise_host="", learner_resources="", replay_resources="",
-                          actor_resources="")
-    placement = RayPlacement(run, results)
-    placement.open()
+    results = _results(tmp_path)
+    placement = _open_placement(results, monkeypatch)
     try:
         live = ray.get_runtime_context().get_node_id()
         gone = ("0" if live[0] != "0" else "1") + live[1:]  # a well-formed id of no node in this cluster
