@@ -228,14 +228,14 @@ class RayPlacement(Placement):
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         if role == "evaluator":
-            # Beside the replay service: it fetches every published policy from its server. Soft: a node
-            # noted for the service may be gone by the time the evaluator restarts, and a hard affinity to
-            # a dead node leaves the evaluator unschedulable instead of placed elsewhere.
+            # Beside the replay service: it fetches every published policy from its server. Hard: Ray's soft
+            # affinity placed it elsewhere with the service's node alive. Should that node be gone by the
+            # time the evaluator starts, its host is unschedulable, which poll() reports as a lost host.
             service = self.hosts.get("replay")
             node = service.where["node_id"] if service and service.where else None
             options: Dict[str, Any] = {"num_cpus": 0}
             if node:
-                options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=True)
+                options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
         else:
             resources = self.resources["actor" if role == "actor" else role]
             options = actor_options(resources)
