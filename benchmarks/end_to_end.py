@@ -174,6 +174,18 @@ def write_figures(rows: List[Dict[str, Any]], threshold: float, out: Path) -> Li
     return written
 
 
+def _int8_kernel() -> str:
+    """What q=8 actors will run (the runs share this checkout): the int8 kernel's path, or a warning without it."""
+    from actorq_jax import kernels
+
+    if kernels.kernel_available():
+        return kernels.describe_kernel()
+    # Said before any run: without the kernel q=8 actors fall back to fake-quant at float speed, so every
+    # speed ratio of the grid would compare two float actors.
+    return (f"WARNING: {kernels.describe_kernel()}: q=8 actors will run fakequant at float speed; "
+            f"build the kernel with `python -m actorq_jax.kernels.build`")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Runs the grid, prints the table and the headline, draws return against wall time; writes --json when asked."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -218,6 +230,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     first = out / "flag_check"
     _parse_as_new(args.agent, _command(args.agent, layouts[0], BITS[0], 0, args, first)[4:], first)  # before any run
+    kernel = _int8_kernel()
+    print(f"[end_to_end] {kernel}", flush=True)
     before = machine_info()
     rows: List[Dict[str, Any]] = []
     started = _now()
@@ -240,7 +254,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"figure: {path}")
     if args.json:
         payload = {"benchmark": "end_to_end", "machine": {**machine_info(), "loadavg_before": before["loadavg_1_5_15"]},
-                   "config": {"agent": args.agent, "task": args.task, "threshold": threshold,
+                   "config": {"agent": args.agent, "task": args.task, "threshold": threshold, "int8_kernel": kernel,
                               "seeds": seeds, "max_seconds": args.max_seconds, "quick": args.quick,
                               "regime": _regime_flags(args), "run_flags": args.run_flags},
                    "rows": rows, "headline": head, "figures": [str(p) for p in figures]}

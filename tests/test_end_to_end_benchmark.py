@@ -138,6 +138,11 @@ def test_quick_benchmark_runs_real_runs_and_reports_every_headline_key(tmp_path)
     assert all(json.loads((Path(r["run_dir"]) / "config.json").read_text())["run"]["layout"] == "pinned"
                for r in report["rows"])
     assert report["machine"]["cpu"] and "bound by" in proc.stdout
+    # What the q=8 actors ran is said before the runs and kept with the figures (this checkout's kernel).
+    from actorq_jax import kernels
+
+    said = kernels.describe_kernel().split(",")[0]  # "int8 kernel: avx512 path" (the thread count may differ)
+    assert said in report["config"]["int8_kernel"] and f"[end_to_end] {said}" in proc.stdout
     # The index that report.py --collect records with the runs: the command and every finished run.
     index = json.loads((tmp_path / "runs" / "sweep.json").read_text())
     assert "benchmarks/end_to_end.py --quick --layouts pinned" in index["command"] and index["finished"]

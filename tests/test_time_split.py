@@ -9,8 +9,8 @@ from actorq_jax.analysis.time_split import plot_time_split, time_split, time_spl
 
 
 def _runs() -> pd.DataFrame:
-    base = {"agent": "d4pg", "task": "cartpole_balance", "layout": "pinned", "actors": "2x1", "regime": "ratio 32",
-            "complete": True}
+    base = {"agent": "d4pg", "task": "cartpole_balance", "layout": "pinned", "actors": "2x1", "policy": "256x3",
+            "regime": "ratio 32", "complete": True}
     wire = {"comm_bits": 32}
     return pd.DataFrame([
         {**base, **wire, "run": "a", "bits": 32, "cpu_clock": "process", "env_steps": 2000, "replay_cpu_s": 1.0},
@@ -20,6 +20,9 @@ def _runs() -> pd.DataFrame:
         {**base, "run": "e", "bits": 8, "comm_bits": 32, "cpu_clock": "process", "env_steps": 1000, "replay_cpu_s": 1.0},
         # One actor of two environments: another actor layout, never averaged with two single-environment actors.
         {**base, **wire, "run": "d", "bits": 32, "actors": "1x2", "cpu_clock": "process", "env_steps": 1000, "replay_cpu_s": 1.0},
+        # A larger policy: another row, never averaged with the 256x3 runs.
+        {**base, **wire, "run": "f", "bits": 32, "policy": "1024x3", "cpu_clock": "process", "env_steps": 1000,
+         "replay_cpu_s": 1.0},
     ])
 
 
@@ -37,6 +40,7 @@ def test_cells_are_means_over_runs_of_per_step_milliseconds_and_the_bound_is_nam
         _episode("c", 1000, 0.2, 2.0, 0.1),  # waits on the limiter 91% of its time
         _episode("d", 1000, 7.0, 0.0, 1.0),
         _episode("e", 1000, 5.0, 0.0, 1.0),
+        _episode("f", 1000, 4.0, 0.0, 1.0),
     ])
     learner = pd.DataFrame([
         {"run": "a", "learner_steps": 100, "wall_seconds": 50.0, "cpu_s_per_step": 9.0},  # warm-up row: left out
@@ -47,9 +51,11 @@ def test_cells_are_means_over_runs_of_per_step_milliseconds_and_the_bound_is_nam
         {"run": "c", "learner_steps": 200, "wall_seconds": 12.0, "cpu_s_per_step": 0.02},
     ])
     table = time_split(_runs(), actors, learner)
-    assert list(zip(table["actors"], table["bits"], table["comm_bits"])) == [
-        ("1x2", 32, 32), ("2x1", 32, 32), ("2x1", 8, 32), ("2x1", 8, 8)]
-    k2, q32, q8_float_wire, q8 = table.iloc[0], table.iloc[1], table.iloc[2], table.iloc[3]
+    assert list(zip(table["actors"], table["policy"], table["bits"], table["comm_bits"])) == [
+        ("1x2", "256x3", 32, 32), ("2x1", "1024x3", 32, 32), ("2x1", "256x3", 32, 32), ("2x1", "256x3", 8, 32),
+        ("2x1", "256x3", 8, 8)]
+    k2, large, q32, q8_float_wire, q8 = (table.iloc[i] for i in range(5))
+    assert large["runs"] == 1 and math.isclose(large["actor_inference_ms"], 4.0)
     assert q8_float_wire["runs"] == 1 and math.isclose(q8_float_wire["actor_inference_ms"], 5.0)
     assert k2["runs"] == 1 and math.isclose(k2["actor_inference_ms"], 7.0)
     assert q32["runs"] == 2 and q8["runs"] == 1
@@ -62,7 +68,7 @@ def test_cells_are_means_over_runs_of_per_step_milliseconds_and_the_bound_is_nam
     assert q8["bound_by"].startswith("learner (actors blocked on the rate limiter 91%")
     assert q32["bound_by"].startswith("actor inference (100%")
     markdown = time_split_markdown(table)
-    assert "| d4pg | cartpole_balance | pinned | 2x1 | ratio 32 | q=8 | 8 | 1 |" in markdown and "(-)" in markdown
+    assert "| d4pg | cartpole_balance | pinned | 2x1 | 256x3 | ratio 32 | q=8 | 8 | 1 |" in markdown and "(-)" in markdown
     assert "| 1.250 | 25.0 (15.0) |" in markdown
     assert plot_time_split(table) is not None
 

@@ -27,7 +27,7 @@ SWEEP_INDEX = "sweep.json"
 
 # Columns every runs frame has, so empty or partial sweeps still slice and aggregate.
 RUN_COLUMNS = (
-    "run", "run_dir", "agent", "task", "bits", "comm_bits", "seed", "num_actors", "actors", "layout", "regime",
+    "run", "run_dir", "agent", "task", "bits", "comm_bits", "seed", "num_actors", "actors", "policy", "layout", "regime",
     "granularity",
     "actor_backend", "complete", "exit_code", "wall_seconds", "env_steps", "learner_steps",
     "env_steps_per_second", "energy_kwh", "emissions_kg", "final_eval_return", "best_eval_return",
@@ -82,6 +82,15 @@ def _regime(agent: Dict[str, Any]) -> str:
     return str(limiter or "unknown")
 
 
+def _policy(agent: Dict[str, Any]) -> str:
+    """The acting network's hidden layers in short: "256x3" (three of 256), else "64-128"; "?" when not recorded."""
+    layers = agent.get("policy_layers") or agent.get("q_layers")
+    if not layers:
+        return "?"
+    sizes = [int(v) for v in layers]
+    return f"{sizes[0]}x{len(sizes)}" if len(set(sizes)) == 1 else "-".join(map(str, sizes))
+
+
 def read_run(run_dir: PathLike) -> Dict[str, Any]:
     """One row describing a run: its configuration and, when it finished, its summary."""
     path = Path(run_dir)
@@ -100,6 +109,7 @@ def read_run(run_dir: PathLike) -> Dict[str, Any]:
         "num_actors": run.get("num_actors"),
         # The actor layout: processes x environments each ("2x1": two single-environment actors).
         "actors": f"{run.get('num_actors')}x{run.get('envs_per_actor', 1)}",
+        "policy": _policy(agent),  # the actors' network: a time split means nothing across policy sizes
         "layout": run.get("layout", "shared"),  # runs from before --layout shared every core
         "regime": _regime(agent),
         "granularity": run.get("granularity"),

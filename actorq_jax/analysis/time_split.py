@@ -22,7 +22,7 @@ from actorq_jax.analysis.run_figures import bottleneck, core_load
 from actorq_jax.run_dir import RunDir
 from actorq_jax.telemetry.schema import CPU_CLOCK
 
-GROUP = ["agent", "task", "layout", "actors", "regime", "bits", "comm_bits"]
+GROUP = ["agent", "task", "layout", "actors", "policy", "regime", "bits", "comm_bits"]
 
 
 def _phase_seconds(episodes: pd.DataFrame, suffix: str = "_s") -> Dict[str, float]:
@@ -81,7 +81,7 @@ def _learner_split(rows: pd.DataFrame) -> Dict[str, float]:
 
 def time_split(runs: pd.DataFrame, actors: pd.DataFrame, learner: pd.DataFrame,
                cores: Optional[int] = None) -> pd.DataFrame:
-    """One row per (agent, task, layout, actor layout, regime, actor bits, wire bits): mean over runs of the actors'
+    """One row per (agent, task, layout, actor layout, policy, regime, actor bits, wire bits): mean over runs of the actors'
     and the learner's ms per step, with the run count and what bound the runs (from the summed actor phases and,
     where measured, the actors' cores' load; `cores`: the machine's, for runs that did not record theirs)."""
     rows: List[Dict[str, object]] = []
@@ -124,14 +124,14 @@ def _or_dash(value: float, pattern: str) -> str:
 
 def time_split_markdown(table: pd.DataFrame) -> str:
     """The table of record: ms per step by phase (actors) and CPU against the rest (learner), and the bound."""
-    header = (["agent", "task", "layout", "actors", "regime", "actor bits", "wire bits", "runs"]
+    header = (["agent", "task", "layout", "actors", "policy", "regime", "actor bits", "wire bits", "runs"]
               + [p.replace("_", " ") for p in PHASES]
               + ["actor wall (CPU)", "replay service CPU", "learner step wall (CPU)", "bound by"])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in table.itertuples(index=False):
         phases = [f"{getattr(r, f'actor_{p}_ms'):.3f}" for p in PHASES]
         lines.append("| " + " | ".join([
-            r.agent, r.task, r.layout, r.actors, r.regime, f"q={r.bits}", str(r.comm_bits), str(r.runs), *phases,
+            r.agent, r.task, r.layout, r.actors, r.policy, r.regime, f"q={r.bits}", str(r.comm_bits), str(r.runs), *phases,
             f"{r.actor_wall_ms:.3f} ({_or_dash(r.actor_cpu_ms, '.3f')})", _or_dash(r.service_cpu_ms, ".3f"),
             f"{r.learner_wall_ms:.1f} ({_or_dash(r.learner_cpu_ms, '.1f')})",
             r.bound_by]) + " |")
@@ -159,7 +159,7 @@ def plot_time_split(table: pd.DataFrame) -> Figure:
     axes = fig.subplots(len(cases), 2, squeeze=False)
     for (ax_actor, ax_learner), (agent, task) in zip(axes, cases):
         rows = table[(table["agent"] == agent) & (table["task"] == task)]
-        labels = [f"{r.layout} {r.actors}\n{r.regime}\nq={r.bits}{_wire(r.bits, r.comm_bits)}\n"
+        labels = [f"{r.layout} {r.actors} {r.policy}\n{r.regime}\nq={r.bits}{_wire(r.bits, r.comm_bits)}\n"
                   f"bound: {_short_bound(r.bound_by)}" for r in rows.itertuples(index=False)]
         x = np.arange(len(rows))
         bottom = np.zeros(len(rows))

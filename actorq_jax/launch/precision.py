@@ -51,7 +51,8 @@ def resolve_backend(precision: ActorPrecision) -> str:
 
         if kernels.kernel_available():
             return "int8"
-        log.warning("int8 kernel not built on this machine; actors use fakequant (same numerics, float speed)")
+        log.warning("int8 kernel not built on this machine; actors use fakequant (the same quantized weights with "
+                    "float activations, at float speed)")
     return "fakequant"
 
 
