@@ -94,7 +94,7 @@ def _trial(backend: str, bits: int, envs: int, rounds: int, publish_every: float
         try:
             env = worker_env()
             proc = subprocess.run(
-                [sys.executable, "-m", "actorq_jax.launch.actor", "--server", f"localhost:{service.server.port}",
+                [sys.executable, "-m", "actorq_jax.launch.actor", "--server", f"127.0.0.1:{service.server.port}",
                  "--actor_id", str(ACTOR_ID), "--log_dir", tmp, "--threads", "1", "--max_episodes", str(rounds * envs)],
                 cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
             if proc.returncode != 0:

@@ -1,5 +1,5 @@
 """Shared test settings (repository root, environment, tiny-run flags) and helpers of the tests that start real
-runs (launcher, learner, actors) on localhost."""
+runs (launcher, learner, actors) on the loopback."""
 
 import atexit
 import importlib.util

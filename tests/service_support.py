@@ -24,7 +24,7 @@ def dqn_service_learner_actor(results_dir: Any, **run_fields: Any) -> Iterator[T
                       max_times_sampled=1000)
     builder = runtime.make_builder("dqn", agent, environment_spec(make_environment("CartPole-v1", seed=0)))
     service = ReplayService(builder, run, results_dir, "{}", resume=False)
-    address = f"localhost:{service.server.port}"
+    address = f"127.0.0.1:{service.server.port}"
     learner = Learner(builder, run, results_dir, address)
     actor = None
     try:

@@ -1,6 +1,6 @@
 """Remote actors' episode rows travel over the replay service into the run's actors/ directory, each exactly once.
 
-Real Reverb servers on free localhost ports; the end-to-end form (a hand-started remote actor
+Real Reverb servers on free loopback ports; the end-to-end form (a hand-started remote actor
 beside a launcher run) is in test_launch.py.
 """
 

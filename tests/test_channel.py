@@ -63,7 +63,7 @@ def test_service_channel_on_a_real_server(tmp_path):
     port = free_port()
     server = ReplayServer(make_status_tables(), port=port)
     try:
-        writer, reader = ServiceChannel(f"localhost:{port}"), ServiceChannel(f"127.0.0.1:{port}")
+        writer, reader = ServiceChannel(f"127.0.0.1:{port}"), ServiceChannel(f"127.0.0.1:{port}")
         assert reader.read("replay") == {}
         writer.report("replay", {"phase": "running", "env_steps": np.int64(10), "loss": float("nan")})
         assert reader.read("replay") == {"phase": "running", "env_steps": 10, "loss": None}
@@ -81,13 +81,13 @@ def test_service_channel_on_a_real_server(tmp_path):
         import reverb
 
         client = reverb.Client(f"127.0.0.1:{port}")
-        learner = ServiceChannel(f"localhost:{port}")
+        learner = ServiceChannel(f"127.0.0.1:{port}")
         learner.report("learner", {"env_steps": 2000})
         assert reader.read("learner") == {"env_steps": 2000}
         send_message(client, status_table("learner"), {"env_steps": 1694, WRITER_KEY: learner._writer, SEQ_KEY: 0}, 5)
         assert reader.read("learner") == {"env_steps": 2000}
         # A restarted learner's channel is a new writer: its reports count, and the old one's are stale from then on.
-        restarted = ServiceChannel(f"localhost:{port}")
+        restarted = ServiceChannel(f"127.0.0.1:{port}")
         restarted.report("learner", {"env_steps": 1500})
         assert reader.read("learner") == {"env_steps": 1500}
         send_message(client, status_table("learner"), {"env_steps": 2100, WRITER_KEY: learner._writer, SEQ_KEY: 9}, 5)

@@ -1,7 +1,7 @@
 """Faults lose nothing: a killed learner comes back against the live replay service, a killed launcher takes
 its workers with it, remote actors leave a dead learner with one clear line, bad payloads and config rows are refused.
 
-Real launchers, learners, actors and Reverb servers on localhost; each test bounded by pytest-timeout.
+Real launchers, learners, actors and Reverb servers on the loopback; each test bounded by pytest-timeout.
 """
 
 import dataclasses
@@ -229,18 +229,18 @@ def _config_server(row: bytes) -> ReplayServer:
 @pytest.mark.parametrize("row", MALFORMED_CONFIG_ROWS)
 def test_a_malformed_config_row_is_named_with_the_server(row):
     with _config_server(row) as server:
-        with pytest.raises(ValueError, match=f"the config table on localhost:{server.port} holds a malformed row"):
-            fetch_config(f"localhost:{server.port}", 5)
+        with pytest.raises(ValueError, match=f"the config table on the loopback:{server.port} holds a malformed row"):
+            fetch_config(f"127.0.0.1:{server.port}", 5)
 
 
 @pytest.mark.timeout(120)
 def test_remote_actor_exits_clearly_on_a_malformed_config_row(tmp_path):
     with _config_server(MALFORMED_CONFIG_ROWS[0]) as server:
-        proc = subprocess.run([sys.executable, "-m", "actorq_jax.launch.actor", "--server", f"localhost:{server.port}",
+        proc = subprocess.run([sys.executable, "-m", "actorq_jax.launch.actor", "--server", f"127.0.0.1:{server.port}",
                                "--log_dir", str(tmp_path), "--server_timeout_s", "5"],
                               cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=100)
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "malformed row" in proc.stderr and f"localhost:{server.port}" in proc.stderr
+    assert "malformed row" in proc.stderr and f"127.0.0.1:{server.port}" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 

@@ -38,7 +38,7 @@ def test_a_forked_worker_is_our_child_under_its_own_command_line_and_reports_how
     run, agent = parse_run("d4pg", [*TINY, "--results_dir", str(results)])
     save_config(results / "config.json", run, agent)
     # An evaluator of a service that never comes up: it runs until it is killed.
-    command = worker_command("evaluator", os.getpid(), results, ["--server", f"localhost:{free_port()}"])
+    command = worker_command("evaluator", os.getpid(), results, ["--server", f"127.0.0.1:{free_port()}"])
     worker = forker.start(command, tmp_path / "evaluator.log", worker_env())
     process = psutil.Process(worker.pid)
     assert process.ppid() == os.getpid()

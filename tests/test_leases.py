@@ -27,7 +27,7 @@ def service():
 
     thread = threading.Thread(target=serve)
     thread.start()
-    yield f"localhost:{server.port}"
+    yield f"127.0.0.1:{server.port}"
     done.set()
     thread.join()
     server.stop()

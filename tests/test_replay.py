@@ -1,6 +1,6 @@
 """Reverb data plane: n-step adder, rate limiting, priorities, variables across processes, failures.
 
-Every test runs a real Reverb server on a free localhost port.
+Every test runs a real Reverb server on a free loopback port.
 """
 
 from __future__ import annotations
@@ -548,7 +548,7 @@ def test_killed_actor_leaves_server_usable():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("bad", ["localhost", "localhost:", ":1234", "localhost:99999", "host:port"])
+@pytest.mark.parametrize("bad", ["127.0.0.1", "127.0.0.1:", ":1234", "127.0.0.1:99999", "host:port"])
 def test_malformed_address_is_rejected(bad):
     with pytest.raises(ValueError, match="host:port"):
         parse_address(bad)
@@ -560,7 +560,7 @@ def test_malformed_address_is_rejected(bad):
 
 @pytest.mark.timeout(60)  # the bound: every call below must give up, not hang
 def test_unreachable_address_fails_within_bounded_time():
-    dead = f"localhost:{portpicker.pick_unused_port()}"
+    dead = f"127.0.0.1:{portpicker.pick_unused_port()}"
     for address in (dead, "nonexistent.invalid:4321"):
         with pytest.raises(TimeoutError, match=address):
             wait_for_server(address, timeout_s=1.5)

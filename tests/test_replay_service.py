@@ -74,6 +74,8 @@ def test_service_answers_checkpoint_requests_and_refuses_bad_ones(tmp_path):
     from actorq_jax.launch.replay_service import ServiceClient, ServiceError
 
     with _serving_tiny_d4pg_service(tmp_path) as service:
+        # A local run advertises the loopback: no host name to resolve, nothing sent off this machine.
+        assert service.server.address == f"127.0.0.1:{service.server.port}"
         client = ServiceClient(service.client, timeout_s=10)
         for name in ("step_1", "step_2", "step_3"):
             assert client.checkpoint(name, keep=["step_1"])["name"] == name
@@ -356,6 +358,6 @@ def test_a_stopped_service_is_waited_for_within_the_timeout_and_given_up_past_it
         stop_all(proc)
     log = (results / "logs" / "actor_0.log").read_text()
     lines = [line for line in log.splitlines() if "unreachable for" in line]
-    assert len(lines) == 1 and "replay service at localhost:" in lines[0] and "server_timeout_s 8" in lines[0], log[-2000:]
+    assert len(lines) == 1 and "replay service at 127.0.0.1:" in lines[0] and "server_timeout_s 8" in lines[0], log[-2000:]
     summary = json.loads((results / "summary.json").read_text())
     assert any(e.startswith("actor_0 died (exit code 3)") for e in summary["events"]), output

@@ -1,6 +1,6 @@
 """Under --launcher ray the learner's and evaluator's rows reach the launcher's results directory through the service.
 
-A real Reverb server on a free localhost port stands in for the replay service.
+A real Reverb server on a free loopback port stands in for the replay service.
 """
 
 import pytest
@@ -23,7 +23,7 @@ def test_rows_past_a_step_are_dropped(tmp_path):
 
 def test_only_known_files_are_carried():
     with pytest.raises(ValueError, match="not carried"):
-        RowSender("localhost:1", "summary.json", FIELDS)
+        RowSender("127.0.0.1:1", "summary.json", FIELDS)
 
 
 @pytest.mark.process
@@ -37,11 +37,11 @@ def test_rows_sent_on_a_node_are_written_by_the_launcher(tmp_path):
     server = ReplayServer([make_run_rows_table()], port=port)
     node, results = tmp_path / "node", tmp_path / "results"
     try:
-        drain = RunRowDrain(reverb.Client(f"localhost:{port}"), results)
-        learner = row_log(node / "learner.csv", FIELDS, forward_to=f"localhost:{port}", flush_every_s=0)
+        drain = RunRowDrain(reverb.Client(f"127.0.0.1:{port}"), results)
+        learner = row_log(node / "learner.csv", FIELDS, forward_to=f"127.0.0.1:{port}", flush_every_s=0)
         for step in (100, 200, 300):
             learner.write({"learner_steps": step, "env_steps": step * 10, "loss": 0.25})
-        with row_log(node / "eval.csv", EVAL_FIELDS, forward_to=f"localhost:{port}") as evaluation:
+        with row_log(node / "eval.csv", EVAL_FIELDS, forward_to=f"127.0.0.1:{port}") as evaluation:
             evaluation.write({"learner_steps": 300, "policy": "fp32", "return": 12.5, "final": 1})
         assert drain.drain() == 4
         # A learner restored to step 200 logs step 300 again: the lost timeline's row goes first.

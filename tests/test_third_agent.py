@@ -59,7 +59,7 @@ def test_items_sampled_by_its_dataset_carry_the_step_index_the_adder_wrote(third
     builder = _builder(third, batch_size=4, rate_limiter="min_size", max_times_sampled=1, min_replay_size=1)
     env = make_environment("CartPole-v1", seed=3)
     with ReplayServer(builder.replay_tables()) as server:
-        adder = builder.make_adder(reverb.Client(f"localhost:{server.port}"), timeout_s=10.0, connect_timeout_s=10.0)
+        adder = builder.make_adder(reverb.Client(f"127.0.0.1:{server.port}"), timeout_s=10.0, connect_timeout_s=10.0)
         timestep = env.reset()
         adder.add_first(timestep)
         observations, actions, rng = [np.asarray(timestep.observation, np.float32)], [], np.random.default_rng(0)
@@ -70,7 +70,7 @@ def test_items_sampled_by_its_dataset_carry_the_step_index_the_adder_wrote(third
             observations.append(np.asarray(timestep.observation, np.float32))
         adder.close()
         length = len(actions)
-        dataset = builder.make_dataset(f"localhost:{server.port}", rate_limiter_timeout_ms=2000)
+        dataset = builder.make_dataset(f"127.0.0.1:{server.port}", rate_limiter_timeout_ms=2000)
         seen = []
         for batch in dataset:  # each item once (max_times_sampled 1), until the limiter has none left
             assert isinstance(batch.data, third.StepItem)

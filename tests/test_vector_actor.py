@@ -1,7 +1,7 @@
 """Vectorized actors (--envs_per_actor K): K environments per actor process, one batched policy call per step.
 
 Each test runs real actors (launch.actor.run_actor, in this process) against a real Reverb
-server on a free localhost port that holds a fixed published policy, and reads their items back.
+server on a free loopback port that holds a fixed published policy, and reads their items back.
 A launched run of two environments per actor (and its restarted actor) is in test_launch.py.
 """
 

@@ -82,8 +82,9 @@ class RunConfig:
     replay_resources: str = documented("", "Ray resources the replay service needs, e.g. CPU=1 or replay_node=1 (--launcher ray)")
     actor_resources: str = documented("", "Ray resources each actor needs, e.g. CPU=1 or actor_node=1 (--launcher ray)")
     advertise_host: str = documented(
-        "", "host part of the replay service's Reverb address other machines use (default: this machine's name; under Ray "
-            "its node's IP). Reverb's port has no authentication: keep a cluster on a trusted network")
+        "", "host part of the replay service's Reverb address other machines use (default: the loopback 127.0.0.1, "
+            "as a local run's processes share one machine; under Ray its node's IP). Reverb's port has no "
+            "authentication: keep a cluster on a trusted network")
     tensorboard: bool = documented(
         True, "write the run's learner, evaluator and actor rows as TensorBoard scalars under results_dir/tensorboard")
     resume: bool = documented(False, "continue from results_dir's last checkpoint (the flag is --resume RESULTS_DIR)",

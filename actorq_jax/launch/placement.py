@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Protocol, Tuple
 
+from actorq_jax.net import LOOPBACK
 from actorq_jax.run_dir import RunDir
 
 WORKER_MODULE = "actorq_jax.launch.worker"
@@ -130,8 +131,8 @@ class LocalPlacement(Placement):
         return self.forker.start(command, RunDir(self.results_dir).log(name), worker_env())
 
     def service_address(self, port: int) -> str:
-        """Local workers reach the replay service on localhost at the run's port."""
-        return f"localhost:{port}"
+        """Local workers reach the replay service on the loopback at the run's port."""
+        return f"{LOOPBACK}:{port}"
 
     def close(self) -> None:
         """Stops the template that forked the workers."""

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 import time
 import uuid
@@ -33,6 +32,7 @@ from actorq_jax.launch import runtime
 from actorq_jax.launch.channel import RunChannel, make_channel
 from actorq_jax.launch.checkpoint import read_counters
 from actorq_jax.launch.leases import LEASE_REQUESTS, LEASES_TABLE, LeaseBook, lease_tables
+from actorq_jax.net import LOOPBACK
 from actorq_jax.run_dir import RunDir
 
 log = logging.getLogger(__name__)
@@ -152,7 +152,10 @@ class ReplayService:
         self.results_dir = Path(results_dir)
         self.replay_table = builder.replay_config().name
         restore = restore_point(self.results_dir) if resume else None
-        host = run.advertise_host or socket.getfqdn()  # what other machines use to reach this server
+        # What other machines use to reach this server. A local run's processes all share this machine, so
+        # it advertises the loopback (a remote actor is given --server by hand); under Ray the host of the
+        # service sets advertise_host to its node's IP.
+        host = run.advertise_host or LOOPBACK
         self.server = ReplayServer(runtime.service_tables(builder, replay) + control_tables() + lease_tables(),
                                    port=run.port or None,
                                    advertised_host=host, checkpoint_dir=RunDir(self.results_dir).replay_checkpoints,
@@ -166,7 +169,7 @@ class ReplayService:
             self.client.reset(table)
         runtime.publish_config(self.client, config_json)
         # Status reports: files locally, this server's status tables under Ray.
-        self.channel = make_channel(run, self.results_dir, f"localhost:{self.server.port}")
+        self.channel = make_channel(run, self.results_dir, f"{LOOPBACK}:{self.server.port}")
         # Remote actors' episode rows, into actors/ as the launcher's actors write theirs. Under Ray the
         # launcher's process drains them (every actor sends its rows then), into the real results directory.
         self.rows = None if run.launcher == "ray" else RowDrain(self.client, RunDir(self.results_dir).actors,
@@ -247,7 +250,7 @@ class ReplayService:
             "phase": phase,
             "pid": os.getpid(),
             "address": self.server.address,
-            "local_address": f"localhost:{self.server.port}",
+            "local_address": f"{LOOPBACK}:{self.server.port}",
             "env_steps": self.env_steps(),
             "items": self.items(),
             "checkpoints": self.checkpoints,

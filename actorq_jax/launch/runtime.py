@@ -8,6 +8,8 @@ import socket
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
+from actorq_jax.net import LOOPBACK
+
 # The backends a run launches its workers on (--launcher).
 LAUNCHERS = ("local", "ray")
 # Tables on the replay service's Reverb server besides the replay table.
@@ -225,7 +227,7 @@ def derive_seed(*parts: int) -> int:
 def free_port() -> int:
     """A port nothing listens on now (the kernel's pick)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((LOOPBACK, 0))
         return int(sock.getsockname()[1])
 
 
@@ -234,7 +236,7 @@ def port_in_use(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind(("127.0.0.1", port))
+            sock.bind((LOOPBACK, port))
         except OSError as error:
             if error.errno == errno.EADDRINUSE:
                 return True

@@ -10,6 +10,8 @@ from typing import Dict, Iterable, Optional, Sequence, Tuple
 
 import reverb
 
+from actorq_jax.net import LOOPBACK
+
 # One server_info probe waits at most this long (Reverb's deadline is whole seconds).
 _PROBE_S = 1
 
@@ -102,7 +104,7 @@ class ReplayServer:
     """
 
     def __init__(self, tables: Sequence[reverb.Table], port: Optional[int] = None,
-                 advertised_host: str = "localhost", checkpoint_dir: Optional[Path] = None,
+                 advertised_host: str = LOOPBACK, checkpoint_dir: Optional[Path] = None,
                  restore: Optional[str] = None):
         if not tables:
             raise ValueError("ReplayServer needs at least one table, got none")
@@ -137,7 +139,7 @@ class ReplayServer:
             raise ValueError("this ReplayServer has no checkpoint_dir")
         if not name or Path(name).name != name or name == _WORK_DIR:
             raise ValueError(f"checkpoint name must be a plain directory name other than {_WORK_DIR!r}, got {name!r}")
-        written = Path(reverb.Client(f"localhost:{self._port}").checkpoint())
+        written = Path(reverb.Client(f"{LOOPBACK}:{self._port}").checkpoint())
         target = self.checkpoint_dir / name
         shutil.rmtree(target, ignore_errors=True)
         written.rename(target)
