@@ -1,4 +1,4 @@
-"""The launcher end to end: a real learner, Reverb server, actors and evaluator on localhost.
+"""The launcher end to end: a real learner, Reverb server, actors and evaluator on the loopback.
 
 Each behaviour has its run, so one failure fails one test: a budget run leaves a
 complete results directory; SIGTERM stops a run without orphans; a killed actor
@@ -184,6 +184,7 @@ def test_remote_actor_contributes_transitions(tmp_path):
         (["--policy_layers", "64,x"], "--policy_layers"),
         (["--granularity", "per_row"], "--granularity"),
         (["--actor_backend", "fp32", "--actor_bits", "8"], "--actor_backend"),
+        (["--country", "XXX"], "--country: unknown country code 'XXX'; codecarbon knows ISO 3166-1 alpha-3"),
     ],
 )
 def test_bad_flags_exit_2_naming_the_flag(flags, named, tmp_path, capsys):

@@ -71,6 +71,9 @@ def parse_run(agent: str, argv: Optional[Sequence[str]], description: Optional[s
     problem = task_problem(entry, values["task"])
     if problem:
         parser.error(f"--task: {problem}")
+    problem = country_problem(values["country"])
+    if problem:
+        parser.error(f"--country: {problem}")
     results = Path(values["results_dir"])
     problem = results_dir_problem(results)
     if problem:
@@ -85,6 +88,16 @@ def parse_run(agent: str, argv: Optional[Sequence[str]], description: Optional[s
         field = str(error).split(" ", 1)[0].rpartition(".")[2]
         parser.error(f"--{field}: {error}" if field in agent_values else str(error))
     return RunConfig(**values), agent_config
+
+
+def country_problem(country: str) -> Optional[str]:
+    """Why codecarbon cannot price `country`'s energy (None when it can), checked before the run starts."""
+    from actorq_jax.telemetry.energy import known_country_codes
+
+    if country.upper() in known_country_codes():
+        return None
+    return (f"unknown country code {country!r}; codecarbon knows ISO 3166-1 alpha-3 codes such as USA, FRA, DEU, "
+            "GBR, CAN, IND, CHN")
 
 
 def task_problem(entry: Any, task: str) -> Optional[str]:
