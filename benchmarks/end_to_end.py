@@ -217,8 +217,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error(f"--layouts: {args.layouts!r}; choose from {LAYOUTS}")
     if not 0 < args.target_fraction <= 1:
         parser.error(f"--target_fraction must be in (0, 1], got {args.target_fraction}")
-    if args.seeds < 1 or args.max_times_sampled < 1:
-        parser.error("--seeds and --max_times_sampled must be >= 1")
+    for flag in ("seeds", "max_times_sampled"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag}: must be >= 1, got {getattr(args, flag)}")
     if not args.samples_per_insert > 0:
         parser.error(f"--samples_per_insert must be > 0, got {args.samples_per_insert}")
     args.task = args.task or AGENTS[args.agent]["task"]

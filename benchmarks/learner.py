@@ -470,11 +470,17 @@ def tensorboard_cpu_per_row(trials: int, rows_per_trial: int = 200) -> float:
     return statistics.median(costs)
 
 
-def _names(text: str, known: Tuple[Any, ...], kind: type) -> Tuple[Any, ...]:
-    values = tuple(kind(v) for v in text.split(",") if v)
+def _names(parser: argparse.ArgumentParser, flag: str, text: str, known: Tuple[Any, ...],
+           kind: type) -> Tuple[Any, ...]:
+    """The comma list `text` of --flag as `kind` values, each one of `known`; a usage error (exit 2) otherwise."""
+    words = [v.strip() for v in text.split(",") if v.strip()]
+    try:
+        values = tuple(kind(v) for v in words)
+    except ValueError:
+        values = ()
     unknown = [v for v in values if v not in known]
-    if unknown:
-        raise SystemExit(f"unknown {unknown}; choose from {known}")
+    if not values or unknown:
+        parser.error(f"--{flag}: {text!r}; choose a comma list from {', '.join(map(str, known))}")
     return values
 
 
@@ -499,8 +505,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             parser.error(f"--xla_option: {text!r}; expected NAME=FLAGS with a new NAME and flags like --xla_cpu_...")
         options[name] = flags.strip()
 
-    agents = _names(args.agents, AGENTS, str)
-    sizes = _names(args.sizes, SIZES, int) if args.sizes else ((256,) if args.quick else SIZES)
+    agents = _names(parser, "agents", args.agents, AGENTS, str)
+    sizes = _names(parser, "sizes", args.sizes, SIZES, int) if args.sizes else ((256,) if args.quick else SIZES)
     trials, seconds = (2, 0.2) if args.quick else (7, 1.0)
     load_before = [round(v, 2) for v in os.getloadavg()]
     workers = {option: _WorkerProcess(option, flags) for option, flags in options.items()}

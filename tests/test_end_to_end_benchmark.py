@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from launch_support import BENCHMARKS, ENV, ROOT
+from launch_support import BENCHMARKS, ENV, ROOT, usage_error
 
 from actorq_jax.analysis.run_figures import bottleneck, core_load, measure_run
 from actorq_jax.telemetry import EVAL_FIELDS, CsvLogger, write_json
@@ -150,6 +150,18 @@ def test_quick_benchmark_runs_real_runs_and_reports_every_headline_key(tmp_path)
     # Return against wall time, one figure per layout.
     assert [Path(f).name for f in report["figures"]] == ["return_vs_wall_pinned.png"]
     assert all(Path(f).stat().st_size > 10_000 for f in report["figures"])
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--seeds", "0"], "--seeds: must be >= 1, got 0"),
+    (["--max_times_sampled", "-2"], "--max_times_sampled: must be >= 1, got -2"),
+])
+def test_bad_counts_are_usage_errors_naming_the_flag_and_value(flags, says, tmp_path, capsys):
+    sys.path.insert(0, str(BENCHMARKS))
+    from end_to_end import main
+
+    assert says in usage_error(capsys, lambda: main([*flags, "--results_dir", str(tmp_path / "e2e")]))
+    assert not (tmp_path / "e2e").exists()  # nothing ran
 
 
 def test_each_layout_has_its_headline_keys_computed_from_its_own_runs():

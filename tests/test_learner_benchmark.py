@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from launch_support import ENV, ROOT
+from launch_support import BENCHMARKS, ENV, ROOT, usage_error
 
 from actorq_jax.agents.learner_xla import NO_THUNK_RUNTIME, learner_xla_flags
 
@@ -55,3 +55,15 @@ def test_learner_benchmark_quick_reports_finite_headline(tmp_path):
 ])
 def test_learner_xla_flags_only_where_the_runtime_exists(version, existing, expected):
     assert learner_xla_flags(existing, jaxlib_version=version) == expected
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--agents", "d4pg,nope"], "--agents: 'd4pg,nope'; choose a comma list from d4pg, dqn"),
+    (["--sizes", "0x3"], "--sizes: '0x3'; choose a comma list from 256, 1024, 2048"),
+    (["--sizes", ","], "--sizes: ','; choose"),
+])
+def test_bad_lists_are_usage_errors_naming_the_flag_and_value(flags, says, capsys):
+    sys.path.insert(0, str(BENCHMARKS))
+    import learner as learner_benchmark
+
+    assert says in usage_error(capsys, lambda: learner_benchmark.main(flags))
