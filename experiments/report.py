@@ -292,6 +292,11 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         missing = [d for d in args.collect if not Path(d).is_dir()]
         if missing:
             parser.error(f"--collect: not a directory: {', '.join(missing)}")
+        empty = [d for d in args.collect if not analysis.finished_runs(d)]
+        if empty:
+            # Checked for every source first: a bad one records nothing of the others either.
+            parser.error(f"--collect: no finished run (a run folder whose summary.json says it ran its budget) "
+                         f"under {', '.join(empty)}")
     elif args.study:
         parser.error("--study is for --collect")
     if not Path(args.results_md).is_file():

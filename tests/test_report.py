@@ -131,6 +131,22 @@ def test_collect_refuses_a_study_without_a_table_naming_it_and_records_nothing(t
     assert not records.exists()
 
 
+def test_collect_refuses_a_source_without_a_finished_run_and_records_nothing(tmp_path, capsys):
+    report = load_script("report")
+    records, empty = tmp_path / "records", tmp_path / "empty_sweep"
+    (empty / "d4pg_cartpole_balance_q8_s0").mkdir(parents=True)
+    (empty / "d4pg_cartpole_balance_q8_s0" / "config.json").write_text("{}")  # still going: no summary yet
+    with pytest.raises(SystemExit) as exit_info:
+        report.main(["--records", str(records), "--collect", str(RECORDS / "rq2"), str(empty), "--study", "rq2"])
+    assert exit_info.value.code == 2
+    assert f"--collect: no finished run (a run folder whose summary.json says it ran its budget) under {empty}" in (
+        capsys.readouterr().err)
+    assert not records.exists()  # the good source is not recorded either
+    with pytest.raises(ValueError, match="holds no finished run"):
+        analysis.collect(empty, records, "rq2")
+    assert not records.exists()
+
+
 def test_fewest_bits_is_none_when_no_lower_bit_width_is_within_tolerance():
     table = pd.DataFrame({"agent": "d4pg", "task": "t", "bits": [32, 8, 4], "final": [1000.0, 940.0, 980.0]})
     assert analysis.fewest_bits_within(table, 0.05) == {("d4pg", "t"): 4}

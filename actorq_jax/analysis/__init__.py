@@ -44,7 +44,7 @@ from actorq_jax.analysis.plots import (
     plot_return_vs_bits,
     save_figure,
 )
-from actorq_jax.analysis.records import collect, read_study, record_files
+from actorq_jax.analysis.records import collect, finished_runs, read_study, record_files
 from actorq_jax.analysis.report import (
     bits_markdown,
     describe_target,
@@ -70,6 +70,7 @@ __all__ = [
     "fewest_bits_within",
     "final_and_best_returns",
     "find_run_dirs",
+    "finished_runs",
     "is_run_dir",
     "load_actor_episodes",
     "load_evals",

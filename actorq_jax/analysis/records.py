@@ -52,18 +52,32 @@ def stopped_before_budget(summary: Dict[str, Any]) -> bool:
     return any(str(event).startswith(STOP_EVENT) for event in summary.get("events", []))
 
 
+def finished_runs(source: PathLike) -> List[Path]:
+    """The run folders under `source` (or `source` itself) that finished their budget: those `collect` records."""
+    finished = []
+    for run_dir in find_run_dirs(Path(source)):
+        summary_path = RunDir(run_dir).summary
+        if summary_path.is_file() and not stopped_before_budget(json.loads(summary_path.read_text())):
+            finished.append(run_dir)
+    return finished
+
+
 def collect(source: PathLike, records_root: PathLike, study: str) -> List[Path]:
     """Copies the finished runs of a sweep (or one run) directory into records_root/study; returns the records written.
 
     A run already recorded under the same name is replaced, so collecting a
     sweep again while it runs adds the runs that have finished since. A run
-    that is still going (no summary) or was stopped before its budget is left out.
+    that is still going (no summary) or was stopped before its budget is left out;
+    a source with no finished run at all is a ValueError, and nothing is written.
     """
     src = Path(source)
     if not src.is_dir():
         raise FileNotFoundError(f"{src} is not a directory")
     if not study or "/" in study or study.startswith("."):
         raise ValueError(f"study must be a plain folder name, got {study!r}")
+    runs = finished_runs(src)
+    if not runs:
+        raise ValueError(f"{src} holds no finished run (a run folder whose summary.json says it ran its budget)")
     out = Path(records_root) / study
     out.mkdir(parents=True, exist_ok=True)
     # One run of a sweep, collected on its own, is recorded under its sweep (its command is the sweep's).
@@ -73,10 +87,7 @@ def collect(source: PathLike, records_root: PathLike, study: str) -> List[Path]:
     taken = {name for source_name, info in _read_index(out / STUDY_INDEX).get("sources", {}).items()
              if source_name != home.name for name in info.get("runs_collected", [])}
     written = []
-    for run_dir in find_run_dirs(src):
-        summary_path = RunDir(run_dir).summary
-        if not summary_path.is_file() or stopped_before_budget(json.loads(summary_path.read_text())):
-            continue
+    for run_dir in runs:
         target = out / (run_dir.name if run_dir.name not in taken else f"{home.name}_{run_dir.name}")
         if target.exists():
             shutil.rmtree(target)
