@@ -26,6 +26,7 @@ sys.path.insert(0, str(HERE.parent))
 
 from actorq_jax.agents.registry import get_agent  # noqa: E402  (after the path insert)
 from actorq_jax.analysis.run_figures import measure_run  # noqa: E402
+from actorq_jax.launch.flags import results_dir_problem  # noqa: E402
 
 AGENT = "d4pg"
 TARGET = 900.0  # cartpole_balance returns reach about 1000; 900 is "balanced"
@@ -72,9 +73,16 @@ def main(argv=None) -> int:
     if args.seconds_per_run <= 0:
         parser.error(f"--seconds_per_run must be > 0, got {args.seconds_per_run}")
     out = Path(args.results_dir or f"results/demo_{time.strftime('%Y%m%d-%H%M%S')}")
+    # Both runs' folders are checked before the first starts: a demo never stops between its two runs on a flag.
+    problem = results_dir_problem(out)
+    if problem:
+        parser.error(f"--results_dir: {problem}")
+    run_dirs = {bits: out / f"{AGENT}_cartpole_balance_q{bits}_s0" for bits in (32, 8)}
+    taken = [str(d) for d in run_dirs.values() if (d / "config.json").exists()]
+    if taken:
+        parser.error(f"--results_dir: {out} already holds a demo run ({', '.join(taken)}); pick another")
     figures = {}
-    for bits in (32, 8):
-        run_dir = out / f"{AGENT}_cartpole_balance_q{bits}_s0"
+    for bits, run_dir in run_dirs.items():
         cmd = [sys.executable, str(HERE / "run.py"), "--agent", AGENT, *RUN_FLAGS,
                *(get_agent(AGENT).quick if args.quick else NETWORKS),
                "--actor_bits", str(bits), "--seed", "0", "--max_seconds", str(args.seconds_per_run),

@@ -32,3 +32,16 @@ def test_a_run_that_missed_the_target_gives_no_ratio():
 def test_a_budget_that_is_not_positive_is_refused_by_name(capsys, seconds):
     assert f"--seconds_per_run must be > 0, got {float(seconds)}" in usage_error(
         capsys, lambda: demo.main(["--seconds_per_run", seconds]))
+
+
+def test_a_results_dir_that_cannot_hold_both_runs_is_refused_before_either_starts(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    assert f"--results_dir: {blocker / 'demo'} cannot be created: {blocker} is a file" in usage_error(
+        capsys, lambda: demo.main(["--results_dir", str(blocker / "demo")]))
+    earlier = tmp_path / "demo" / "d4pg_cartpole_balance_q8_s0"
+    earlier.mkdir(parents=True)
+    (earlier / "config.json").write_text("{}")
+    assert f"--results_dir: {tmp_path / 'demo'} already holds a demo run ({earlier})" in usage_error(
+        capsys, lambda: demo.main(["--results_dir", str(tmp_path / "demo")]))
+    assert not (tmp_path / "demo" / "d4pg_cartpole_balance_q32_s0").exists()  # the q=32 run never started

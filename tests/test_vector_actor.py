@@ -154,3 +154,12 @@ def test_bad_envs_per_actor_exits_2_naming_the_flag(value, tmp_path, capsys):
     err = usage_error(capsys, lambda: parse_run("d4pg", ["--envs_per_actor", value, "--results_dir", str(tmp_path / "r")]))
     assert "--envs_per_actor" in err, err[-2000:]
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--actor_id", "-1"], "--actor_id must be >= 0 (it seeds the actor's environments), got -1"),
+    (["--envs_per_actor", "0"], "--envs_per_actor must be >= 1, got 0"),
+    (["--server", "127.0.0.1"], "--server: server address must look like 'host:port'"),
+])
+def test_a_joining_actors_bad_flags_exit_2_before_it_connects(flags, says, capsys):
+    assert says in usage_error(capsys, lambda: actor_module.main(["--server", "127.0.0.1:1", *flags]))

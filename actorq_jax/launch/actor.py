@@ -401,6 +401,8 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--server_timeout_s", type=float, default=None,
                         help="seconds to keep reconnecting to an unreachable replay service before exiting (default: the run's)")
     args = parser.parse_args(argv)
+    if args.actor_id < 0:
+        parser.error(f"--actor_id must be >= 0 (it seeds the actor's environments), got {args.actor_id}")
     if args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
     if args.envs_per_actor is not None and args.envs_per_actor < 1:
