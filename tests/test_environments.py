@@ -242,3 +242,23 @@ def test_environment_spec_is_frozen_and_read_only():
         spec.observation_dim = 3
     with pytest.raises(ValueError):
         spec.action_minimum[0] = 0.0
+
+
+@pytest.mark.parametrize("task", ["lqr_lqr_2_1", "lqr_lqr_6_2"])
+def test_a_task_without_a_time_limit_ends_its_episodes_at_1000_steps(task):
+    # LQR ends only near the origin, which a policy that does nothing never reaches: without a limit an
+    # evaluation episode would never end.
+    env = make_environment(task, seed=0)
+    spec = environment_spec(env)
+    timestep, steps = env.reset(), 0
+    while not timestep.last() and steps < 2000:
+        timestep, steps = env.step(np.zeros(spec.action_dim, np.float32)), steps + 1
+    assert timestep.last() and steps == 1000 and timestep.discount == 1.0  # a truncation, not a terminal state
+    assert _episode_length(make_environment(task, seed=0, max_episode_steps=20), spec.action_dim) == 20
+
+
+def _episode_length(env, action_dim):
+    timestep, steps = env.reset(), 0
+    while not timestep.last():
+        timestep, steps = env.step(np.zeros(action_dim, np.float32)), steps + 1
+    return steps

@@ -193,6 +193,15 @@ def test_bad_flags_exit_2_naming_the_flag(flags, named, tmp_path, capsys):
     assert not (tmp_path / "r").exists()  # nothing started
 
 
+def test_a_task_that_cannot_start_here_is_a_usage_error_before_any_worker(tmp_path, capsys):
+    # quadruped_escape draws its terrain with OpenGL at reset; without it (the suite sets MUJOCO_GL=disable)
+    # every worker failed the same way.
+    err = usage_error(capsys, lambda: parse_run("d4pg", ["--task", "quadruped_escape", "--results_dir",
+                                                         str(tmp_path / "r")]))
+    assert "--task: quadruped_escape cannot start on this machine" in err and "MUJOCO_GL=egl" in err
+    assert not (tmp_path / "r").exists()
+
+
 def test_an_agent_given_a_task_of_the_other_action_kind_is_a_usage_error(tmp_path, capsys):
     err = usage_error(capsys, lambda: parse_run("dqn", ["--task", "cartpole_balance", "--results_dir",
                                                         str(tmp_path / "r")]))

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import functools
+import math
 from typing import Dict, List, Optional, Tuple
 
 import dm_env
 
 from actorq_jax.environments import _mujoco_gl  # noqa: F401  (sets MUJOCO_GL before dm_control loads)
+
+# Episode length (agent steps) of a dm_control task that has no time limit of its own.
+UNLIMITED_TASK_EPISODE_STEPS = 1000
 
 # The paper's DQN tasks (classic control: Box observations, Discrete actions).
 GYMNASIUM_TASKS: Tuple[str, ...] = ("CartPole-v1", "MountainCar-v0", "Acrobot-v1")
@@ -51,7 +55,8 @@ def make_environment(
       seed: a non-negative integer; the same seed gives the same episodes.
       action_repeat: apply each action this many times (rewards summed).
       max_episode_steps: end episodes after this many agent steps as a
-        truncation (LAST with discount 1.0); None keeps the task's own limit.
+        truncation (LAST with discount 1.0); None keeps the task's own limit
+        (UNLIMITED_TASK_EPISODE_STEPS for a task without one).
 
     Raises:
       ValueError: for an unknown task (the message lists the valid ones) or a
@@ -83,6 +88,10 @@ def make_environment(
 
         domain, task_name = dm_tasks[task]
         env = suite.load(domain, task_name, task_kwargs={"random": seed})
+        if max_episode_steps is None and math.isinf(getattr(env, "_step_limit", 0.0)):
+            # The LQR tasks have no time limit and end only near the origin, which an untrained policy never
+            # reaches: an evaluation episode would never end. They get the suite's usual 1,000 steps.
+            max_episode_steps = UNLIMITED_TASK_EPISODE_STEPS
         return DmControlEnvironment(env, action_repeat=action_repeat, max_episode_steps=max_episode_steps)
 
     raise ValueError(f"unknown task {task!r}; valid tasks are: {', '.join(available_tasks())}")

@@ -101,12 +101,21 @@ def country_problem(country: str) -> Optional[str]:
 
 
 def task_problem(entry: Any, task: str) -> Optional[str]:
-    """Why agent `entry` cannot act in `task` (None when it can): its actions are of the other kind."""
-    if entry.actions == "any":
-        return None
+    """Why agent `entry` cannot act in `task` (None when it can): it cannot start here, or its actions are of
+    the other kind."""
     from actorq_jax.environments import environment_spec, make_environment
 
-    spec = environment_spec(make_environment(task, seed=0))
+    env = make_environment(task, seed=0)
+    try:
+        env.reset()
+    except RuntimeError as error:
+        # quadruped_escape draws its terrain with OpenGL at reset: every worker would fail the same way.
+        hint = ("; it needs an OpenGL backend (MUJOCO_GL=egl or osmesa on a machine that has one)"
+                if "OpenGL" in str(error) else "")
+        return f"{task} cannot start on this machine ({error}){hint}"
+    if entry.actions == "any":
+        return None
+    spec = environment_spec(env)
     kind = "discrete" if spec.discrete else "continuous"
     if kind == entry.actions:
         return None
