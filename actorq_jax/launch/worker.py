@@ -53,6 +53,10 @@ def main(argv: Optional[list] = None) -> int:
     stop = runtime.install_stop_handlers()
     # force: in a worker forked from the template (launch/forker.py), absl's import already put a handler there.
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.role}: %(message)s", force=True)
+    # Orbax logs about 40 INFO lines per checkpoint (through absl) and JAX one per accelerator it does not find:
+    # their warnings stay, their chatter goes, so a worker's log reads as the run's own events.
+    for chatty in ("absl", "jax._src.xla_bridge"):
+        logging.getLogger(chatty).setLevel(logging.WARNING)
 
     from actorq_jax.launch.config import config_from_json
 
