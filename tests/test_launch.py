@@ -70,6 +70,9 @@ def test_budget_run_leaves_a_complete_results_directory(tmp_path):
     every = sorted(os.sched_getaffinity(0))
     assert summary["worker_cores"] == {name: every for name in summary["worker_cpu_s"]}
     assert summary["final_eval_return"] == summary["final_eval_return"]  # not NaN: a final evaluation ran
+    # The run's processes met on the loopback; the hint for other machines names none of its addresses.
+    joins = [e for e in summary["events"] if "remote actors join with" in e]
+    assert len(joins) == 1 and "--server THIS_HOST:" in joins[0] and "127.0.0.1" not in joins[0], summary["events"]
     eval_rows = _rows(d / "eval.csv")
     assert {"wall_seconds", "env_steps", "learner_steps", "return", "policy"} <= set(eval_rows[0])
     assert {r["policy"] for r in eval_rows} == {"fp32", "actor"}

@@ -182,7 +182,12 @@ class Launcher:
         if self._wait_for(replay, "address") is None:
             return 1
         self.channel.report("launcher", self.started)  # the evaluator's clock starts at the launcher's start
-        self._say(f"replay service up; remote actors join with: python -m actorq_jax.launch.actor --server {server}")
+        joins = server
+        if run.launcher == "local":
+            # The run's own processes use the loopback; another machine needs a name or address of this one.
+            port = server.rpartition(":")[2]
+            joins = f"{run.advertise_host}:{port}" if run.advertise_host else f"THIS_HOST:{port} (this machine's address)"
+        self._say(f"replay service up; remote actors join with: python -m actorq_jax.launch.actor --server {joins}")
         if self._wait_for(learner, "phase") is None:
             return 1
         for i in range(run.num_actors):
