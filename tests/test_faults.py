@@ -229,7 +229,7 @@ def _config_server(row: bytes) -> ReplayServer:
 @pytest.mark.parametrize("row", MALFORMED_CONFIG_ROWS)
 def test_a_malformed_config_row_is_named_with_the_server(row):
     with _config_server(row) as server:
-        with pytest.raises(ValueError, match=f"the config table on the loopback:{server.port} holds a malformed row"):
+        with pytest.raises(ValueError, match=f"the config table on 127.0.0.1:{server.port} holds a malformed row"):
             fetch_config(f"127.0.0.1:{server.port}", 5)
 
 
