@@ -292,3 +292,15 @@ def test_report_draws_the_multi_task_table_one_recorded_grid_per_task(tmp_path):
     assert _cell(text, ["walker_stand", "900", "8"], "time speedup q=8") == "-"
     assert _cell(text, ["walker_stand", "900", "8"], "final return") == "850"
     assert (tmp_path / "figures" / "rq1_multitask.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_every_figure_the_readme_quotes_in_its_results_is_in_results_md():
+    # The README repeats RESULTS.md's answers in short; a figure there that RESULTS.md does not hold was
+    # retyped (or left behind when a table of record changed).
+    import re
+
+    section = (ROOT / "README.md").read_text().split("\n## Results", 1)[1].split("\n## ", 1)[0]
+    results = (ROOT / "RESULTS.md").read_text()
+    figures = set(re.findall(r"\d+(?:\.\d+)?(?:x\d+)?(?:-\d+(?:\.\d+)?)?x?", section))
+    assert len(figures) > 10, section[:500]
+    assert sorted(f for f in figures if f not in results) == []
