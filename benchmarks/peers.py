@@ -38,14 +38,14 @@ HIDDEN = (256, 1024, 2048, 4096)
 BATCHES = (1, 8, 32, 64)
 THREADS = (1, 2)
 # --quick: the cases the headline names, at both thread settings.
-QUICK_HIDDEN, QUICK_BATCHES, QUICK_THREADS = (256, 2048, 4096), (1, 8, 32), (1, 2)
+QUICK_HIDDEN, QUICK_BATCHES, QUICK_THREADS = (256, 2048, 4096), (1, 8, 32, 64), (1, 2)
 VARIANTS = ("xla_fp32", "w8a32", "w8a8", "w4a8", "ort_fp32", "ort_int8")
 # (ours, ORT baseline, hidden, batch) of every headline ratio, at one thread.
 HEADLINE_CASES = tuple(
     (ours, peer, hidden, batch)
     for peer in ("ort_int8", "ort_fp32")
     for ours, hidden, batch in (("w8a8", 256, 1), ("w8a8", 2048, 1), ("w8a8", 2048, 8), ("w8a8", 2048, 32),
-                                ("w8a8", 4096, 8), ("w4a8", 2048, 1))
+                                ("w8a8", 2048, 64), ("w8a8", 4096, 8), ("w8a8", 4096, 64), ("w4a8", 2048, 1))
 )
 
 
@@ -100,6 +100,15 @@ def _ort_sessions(params: Any, threads: int, workdir: str) -> Dict[str, Any]:
             for name, path in (("ort_fp32", fp32_path), ("ort_int8", int8_path))}
 
 
+def _cpu_has(flag: str) -> bool:
+    """Whether /proc/cpuinfo lists ``flag`` (False where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and flag in line.split() for line in f)
+    except OSError:
+        return False
+
+
 def _jax_call(apply: Callable, params: Any, obs: Any) -> Callable[[], Any]:
     return lambda: apply(params, obs).block_until_ready()
 
@@ -107,6 +116,18 @@ def _jax_call(apply: Callable, params: Any, obs: Any) -> Callable[[], Any]:
 def _ort_call(session: Any, obs: Any) -> Callable[[], Any]:
     feed = {"obs": obs}
     return lambda: session.run(None, feed)
+
+
+def _our_paths(batch: int) -> Dict[str, str]:
+    """The code each of our kernels runs at ``batch`` on this machine's default path."""
+    from actorq_jax import kernels
+
+    path = kernels.kernel_path()
+    if path != "amx":
+        return {v: path for v in ("w8a32", "w8a8", "w4a8")}
+    # The AMX path multiplies W8A8 and W4A8 on tiles from a batch on; W8A32 and smaller batches run AVX-512.
+    return {"w8a32": "avx512", **{m: "amx tiles" if batch >= kernels.amx_min_rows(m) else "avx512 vnni"
+                                  for m in ("w8a8", "w4a8")}}
 
 
 def worker(threads: int, quick: bool) -> List[dict]:
@@ -143,6 +164,7 @@ def worker(threads: int, quick: bool) -> List[dict]:
             row.update({f"{v}_us": round(med[v], 1) for v in VARIANTS})
             row.update({f"{v}_max_abs_err": round(e, 6) for v, e in errors.items()})
             row["kernel"] = kernels.describe_kernel()
+            row["paths"] = _our_paths(batch)
             rows.append(row)
     return rows
 
@@ -194,7 +216,9 @@ def main(argv: list | None = None) -> int:
 
         machine["onnxruntime"] = onnxruntime.__version__
         machine["onnxruntime_int8"] = ("quantize_dynamic(weight_type=QInt8): int8 weights, one scale per tensor; "
-                                       "activations quantized per call")
+                                       "activations quantized per call; MLAS picks its int8 GEMM by CPUID "
+                                       "(AMX tiles where the CPU has AMX-INT8, AVX-512 VNNI for small products)")
+        machine["amx_int8"] = _cpu_has("amx_int8")
     except ImportError:
         machine["onnxruntime"] = "not installed"
     kernel = rows[0]["kernel"] if rows else "unknown"
@@ -203,6 +227,8 @@ def main(argv: list | None = None) -> int:
     print(f"{machine['cpu']}, {machine['cores']} cores, load average before {load_before} after "
           f"{machine['loadavg_1_5_15']}")
     print("\n".join(_table(rows)))
+    tiles = sorted({(r["batch"], r["paths"]["w8a8"]) for r in rows})
+    print("our W8A8 per batch: " + ", ".join(f"b{b} {p}" for b, p in tiles))
     head = headline(rows)
     return report(args.json, "peers", machine, rows, head, "ORT time / ours")
 

@@ -27,8 +27,14 @@ from actorq_jax.kernels import (
 # ACTORQ_REQUIRE_KERNEL=1, as scripts/test.sh sets), the reference tests run.
 needs_kernel = pytest.mark.skipif(not kernels.kernel_available(), reason=kernels.describe_kernel())
 
-SIMD_PATHS = [p for p in ("avx2", "avx512") if _library.path_supported(p)]
+SIMD_PATHS = [p for p in ("avx2", "avx512", "amx") if _library.path_supported(p)]
 KERNEL_PATHS = ["scalar"] + SIMD_PATHS
+
+# The AMX path runs only where the CPU has AMX-INT8 and the OS grants the tile state; with
+# ACTORQ_REQUIRE_AMX=1 (set it on such a machine) its absence fails instead of skipping.
+_AMX_MISSING = f"no AMX-INT8 path here ({kernels.describe_kernel()})"
+needs_amx = pytest.mark.skipif(not _library.path_supported("amx") and os.environ.get("ACTORQ_REQUIRE_AMX") != "1",
+                               reason=_AMX_MISSING)
 
 # (batch, K, N): sizes on and off multiples of 4, 8, 16 and 32, batch 1..64.
 SHAPES = [
@@ -478,8 +484,63 @@ def test_kernel_is_built():
         if os.environ.get("ACTORQ_REQUIRE_KERNEL") == "1":
             pytest.fail(f"ACTORQ_REQUIRE_KERNEL=1 but {kernels.describe_kernel()}")
         pytest.skip(f"{kernels.describe_kernel()} (set ACTORQ_REQUIRE_KERNEL=1 to make this a failure)")
-    assert kernels.kernel_path() in ("scalar", "avx2", "avx512")
+    assert kernels.kernel_path() in ("scalar", "avx2", "avx512", "amx")
     assert _library.state().lib.actorq_abi_version() == _library.ABI_VERSION
+
+
+def _bits_case(rng, batch, K, N, mode):
+    """x, packed weights of the full range of ``mode`` (-8..7 for w4a8, -128..127 else) and a bias."""
+    low, high = (-8, 8) if mode == "w4a8" else (-128, 128)
+    w = pack_dense(rng.integers(low, high, size=(K, N)).astype(np.int8),
+                   rng.uniform(1e-3, 2e-2, size=N).astype(np.float32), mode)
+    return rng.normal(size=(batch, K)).astype(np.float32), w, rng.normal(size=N).astype(np.float32)
+
+
+def _require_amx():
+    if not _library.path_supported("amx"):
+        pytest.fail(f"ACTORQ_REQUIRE_AMX=1 but {_AMX_MISSING}")
+
+
+@needs_amx
+def test_amx_is_chosen_where_the_cpu_has_it():
+    _require_amx()
+    assert kernels.kernel_path() == "amx" and "amx path" in kernels.describe_kernel()
+
+
+@needs_amx
+@pytest.mark.parametrize("mode", ["w8a8", "w4a8"])
+def test_amx_equals_vnni_bit_for_bit(mode):
+    # Row counts on both sides of where tiles take over (12 for W8A8, 24 for W4A8) and of 16-row
+    # tiles; K off multiples of 4, 8 and 64 (tail chunks); N with narrow panels and odd pairs.
+    _require_amx()
+    rng = np.random.default_rng(40)
+    for batch, K, N in [(11, 24, 256), (12, 24, 256), (13, 1, 1), (16, 64, 16), (17, 65, 17), (23, 130, 33),
+                        (24, 3, 70), (25, 257, 48), (32, 64, 7), (32, 63, 7), (33, 128, 130), (48, 200, 96), (64, 2048, 6),
+                        (70, 100, 45)]:
+        x, w, bias = _bits_case(rng, batch, K, N, mode)
+        for activation in (None, "relu", "elu", "tanh"):
+            amx = np.asarray(int8_dense(x, w, bias, path="amx", activation=activation))
+            vnni = np.asarray(int8_dense(x, w, bias, path="avx512", activation=activation))
+            np.testing.assert_array_equal(amx, vnni, err_msg=f"{mode} {activation} {(batch, K, N)}")
+
+
+@needs_amx
+def test_amx_on_two_threads_and_in_the_fused_mlp_equals_vnni():
+    _require_amx()
+    rng = np.random.default_rng(41)
+    layers = _mlp_case(rng, 24, (256, 256, 130, 6), "w8a8", layer_norm=True)
+    x = rng.normal(size=(64, 24)).astype(np.float32)
+    before = kernels.get_num_threads()
+    try:
+        for threads in (1, 2):  # 64 x 256 x 256 is over the size that splits panels between threads
+            kernels.set_num_threads(threads)
+            np.testing.assert_array_equal(np.asarray(kernels.int8_mlp(x, layers, path="amx")),
+                                          np.asarray(kernels.int8_mlp(x, layers, path="avx512")), err_msg=f"{threads}")
+            big = _bits_case(rng, 32, 256, 256, "w4a8")
+            np.testing.assert_array_equal(np.asarray(int8_dense(big[0], big[1], big[2], path="amx")),
+                                          np.asarray(int8_dense(big[0], big[1], big[2], path="avx512")))
+    finally:
+        kernels.set_num_threads(before)
 
 
 def _mlp_case(rng, K, widths, mode, layer_norm):

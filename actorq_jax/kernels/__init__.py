@@ -10,7 +10,9 @@ activations) as one FFI call, equal bit for bit to ``int8_dense`` and
 ``layer_norm`` called layer by layer.
 
 The compiled library (``python -m actorq_jax.kernels.build``; setup.py builds it
-on install) picks AVX-512 VNNI, AVX2+FMA or portable scalar code at run time.
+on install) picks AMX, AVX-512 VNNI, AVX2+FMA or portable scalar code at run time
+(AMX: AVX-512 plus AMX-INT8 tile products for the int8 layers at batch 12 and up
+for W8A8, 24 and up for W4A8, where the CPU has the tiles and Linux grants them).
 Without it every call falls back to ``reference_int8_dense`` after one warning.
 """
 
@@ -37,8 +39,19 @@ def kernel_available() -> bool:
 
 
 def kernel_path() -> str:
-    """The path int8_dense uses by default: "avx512", "avx2", "scalar", or "reference" without the library."""
+    """The path int8_dense uses by default: "amx", "avx512", "avx2", "scalar", or "reference" without the library."""
     return _library.best_path()
+
+
+def amx_min_rows(mode: str) -> int:
+    """The batch from which the "amx" path multiplies ``mode`` ("w8a8" or "w4a8") on AMX tiles (below: AVX-512 VNNI)."""
+    codes = {"w8a8": 1, "w4a8": 2}
+    if mode not in codes:
+        raise ValueError(f"mode must be one of {tuple(codes)}, got {mode!r}")
+    lib = _library.state().lib
+    if lib is None:
+        raise RuntimeError(describe_kernel())
+    return int(lib.actorq_amx_min_rows(codes[mode]))
 
 
 def describe_kernel() -> str:
@@ -46,7 +59,13 @@ def describe_kernel() -> str:
     state = _library.state()
     if state.lib is None:
         return f"int8 kernel unavailable ({state.reason}); using the jnp reference"
-    return f"int8 kernel: {kernel_path()} path, {get_num_threads()} thread(s), {state.path}"
+    path = kernel_path()
+    if path == "amx":
+        path = (f"amx path (AMX tiles from batch {amx_min_rows('w8a8')} for W8A8 and {amx_min_rows('w4a8')} "
+                f"for W4A8; AVX-512 VNNI below)")
+    else:
+        path += " path"
+    return f"int8 kernel: {path}, {get_num_threads()} thread(s), {state.path}"
 
 
 def set_num_threads(n: int) -> None:
@@ -79,6 +98,7 @@ __all__ = [
     "pack_params",
     "kernel_available",
     "kernel_path",
+    "amx_min_rows",
     "describe_kernel",
     "set_num_threads",
     "get_num_threads",

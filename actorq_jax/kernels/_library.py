@@ -13,7 +13,7 @@ log = logging.getLogger(__name__)
 
 # Environment variables read by this package.
 ENV_LIBRARY = "ACTORQ_KERNEL_LIBRARY"  # path of the library to load instead of the built one
-ENV_PATH = "ACTORQ_KERNEL_PATH"  # default instruction-set path: auto|scalar|avx2|avx512|reference
+ENV_PATH = "ACTORQ_KERNEL_PATH"  # default instruction-set path: auto|scalar|avx2|avx512|amx|reference
 
 TARGET_W8A32 = "actorq_int8_dense_w8a32"
 TARGET_W8A8 = "actorq_int8_dense_w8a8"
@@ -31,11 +31,11 @@ _TARGET_SYMBOLS = {
 }
 
 # Path names <-> the integer codes the C++ handlers take as the "path" attribute.
-PATH_CODES = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3}
+PATH_CODES = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3, "amx": 4}
 PATH_NAMES = {code: name for name, code in PATH_CODES.items()}
 
 # The handlers' signature version this Python code speaks (kAbiVersion in int8_dense.cc).
-ABI_VERSION = 7
+ABI_VERSION = 8
 
 
 class _State:
@@ -75,6 +75,7 @@ def _load() -> _State:
             ("actorq_set_num_threads", [ctypes.c_int64]),
             ("actorq_get_num_threads", []),
             ("actorq_abi_version", []),
+            ("actorq_amx_min_rows", [ctypes.c_int64]),
         ):
             fn = getattr(lib, name)
             fn.argtypes = argtypes
@@ -113,7 +114,7 @@ def state() -> _State:
 
 
 def best_path() -> str:
-    """Fastest path this CPU supports ("avx512", "avx2" or "scalar"), or "reference" without the library."""
+    """Fastest path this CPU supports ("amx", "avx512", "avx2" or "scalar"), or "reference" without the library."""
     lib = state().lib
     return "reference" if lib is None else PATH_NAMES[int(lib.actorq_best_path())]
 

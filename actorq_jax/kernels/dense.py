@@ -25,7 +25,7 @@ from actorq_jax.kernels import _library
 
 PANEL = 16  # output columns per weight panel
 MODES = ("w8a32", "w8a8", "w4a8")
-PATHS = ("auto", "scalar", "avx2", "avx512", "reference")
+PATHS = ("auto", "scalar", "avx2", "avx512", "amx", "reference")
 # Activations the kernel fuses into its epilogue, and the jnp function each one matches.
 ACTIVATIONS = {"relu": jax.nn.relu, "elu": jax.nn.elu, "tanh": jnp.tanh}
 _ACTIVATION_CODES = {None: 0, "relu": 1, "elu": 2, "tanh": 3}

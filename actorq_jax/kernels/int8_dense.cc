@@ -14,14 +14,20 @@
 // panels (layout described above W8A32Panel).
 
 // Instruction-set paths (chosen per call, never by compile flags, so the
-// library loads on any x86-64 CPU): portable scalar C++, AVX2+FMA, and
-// AVX-512 (F+BW, plus VNNI for W8A8). Every SIMD function carries its own
-// target attribute. Elsewhere (or with -DACTORQ_PORTABLE_ONLY) only the scalar
-// path is compiled.
+// library loads on any x86-64 CPU): portable scalar C++, AVX2+FMA, AVX-512
+// (F+BW, plus VNNI for W8A8), and AMX (AVX-512 with AMX-INT8 tiles for the
+// W8A8 and W4A8 products of a dozen rows or more; see AmxPanels). Every SIMD
+// function carries its own target attribute. Elsewhere (or with
+// -DACTORQ_PORTABLE_ONLY) only the scalar path is compiled.
 
 #if (defined(__x86_64__) || defined(__i386__)) && !defined(ACTORQ_PORTABLE_ONLY)
 #define ACTORQ_X86 1
+#include <cpuid.h>
 #include <immintrin.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #else
 #define ACTORQ_X86 0
 #endif
@@ -49,11 +55,11 @@ namespace {
 
 constexpr int64_t kPanel = 16;
 
-enum Path : int64_t { kAuto = 0, kScalar = 1, kAvx2 = 2, kAvx512 = 3 };
+enum Path : int64_t { kAuto = 0, kScalar = 1, kAvx2 = 2, kAvx512 = 3, kAmx = 4 };
 enum Activation : int64_t { kNone = 0, kRelu = 1, kElu = 2, kTanh = 3 };
 
 // Bumped whenever the handlers' attributes change, so Python can refuse a stale library.
-constexpr int64_t kAbiVersion = 7;
+constexpr int64_t kAbiVersion = 8;
 
 #if ACTORQ_X86
 bool CpuHasAvx2() {
@@ -68,16 +74,38 @@ bool CpuHasAvx512() {
          __builtin_cpu_supports("avx512vnni");
 }
 
+// AMX-INT8 needs the CPU's tile instructions (CPUID leaf 7: EDX bit 24 AMX-TILE,
+// bit 25 AMX-INT8) and, on Linux, the kernel's permission to use the 8 KB tile
+// state: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), granted to the
+// whole process once. Without the grant the first tile instruction would fault.
+bool CpuHasAmx() {
+  static const bool ok = [] {
+    if (!CpuHasAvx512() || !__builtin_cpu_supports("avx512dq")) return false;
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    if (!(edx & (1u << 24)) || !(edx & (1u << 25))) return false;
+#if defined(__linux__)
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtileData = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtileData) == 0;
+#else
+    return false;
+#endif
+  }();
+  return ok;
+}
+
 // pause: lets the sibling hyperthread run and saves power while spinning.
 inline void CpuRelax() { _mm_pause(); }
 #else
 bool CpuHasAvx2() { return false; }
 bool CpuHasAvx512() { return false; }
+bool CpuHasAmx() { return false; }
 inline void CpuRelax() {}
 #endif
 
 int64_t BestPath() {
-  static const int64_t best = CpuHasAvx512() ? kAvx512 : (CpuHasAvx2() ? kAvx2 : kScalar);
+  static const int64_t best =
+      CpuHasAmx() ? kAmx : (CpuHasAvx512() ? kAvx512 : (CpuHasAvx2() ? kAvx2 : kScalar));
   return best;
 }
 
@@ -90,6 +118,8 @@ bool PathSupported(int64_t path) {
       return CpuHasAvx2();
     case kAvx512:
       return CpuHasAvx512();
+    case kAmx:
+      return CpuHasAmx();
     default:
       return false;
   }
@@ -947,13 +977,14 @@ __attribute__((target("avx2,fma"))) void QuantizeRowsAvx2(const float* x, int64_
 
 // Quantizes x [M, K] per row into this thread's scratch, rows padded with zeros
 // to `ld` bytes (a multiple of 4); returns q and sets *sx. On the AVX-512 path
-// every byte is XORed with `flip`. Thread-local: concurrent executions each run
-// on their own calling thread.
+// every byte is XORed with `flip`. The buffer holds `rows` >= M rows (the AMX
+// path loads whole 16-row tiles; the rows past M are never stored). Thread-local:
+// concurrent executions each run on their own calling thread.
 int8_t* QuantizeToScratch(const float* x, int64_t M, int64_t K, int64_t ld, int64_t path, uint8_t flip,
-                          const float** sx) {
+                          const float** sx, int64_t rows = 0) {
   thread_local std::vector<int8_t> q;
   thread_local std::vector<float> scales;
-  q.resize(static_cast<size_t>(M * ld));
+  q.resize(static_cast<size_t>(std::max(M, rows) * ld));
   scales.resize(static_cast<size_t>(M));
   *sx = scales.data();
 #if ACTORQ_X86
@@ -1310,6 +1341,195 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma"))) void W4A8Vnni(
 #endif  // ACTORQ_X86
 
 // ---------------------------------------------------------------------------
+// AMX. One tile multiply adds a [16 rows x 64 k] byte tile of activations times
+// a [64 k x 16 columns] weight tile stored as 16 rows of (16 columns x 4
+// consecutive k): exactly the W8A8 layout's 16 groups of 4 k of one panel, so a
+// full panel's weights load in place, 1 KB per 64 k. The tiles add the same
+// int32 products as vpdpbusd, and the operands and epilogue are the VNNI paths'
+// (W8A8: unsigned activations q + 128 times signed weights, minus 128 * colsum,
+// with tdpbusd; W4A8: signed activations times unsigned nibbles w + 8, minus
+// 8 * qsum, with tdpbsud), so the outputs equal theirs bit for bit.
+// Activation rows are padded with zeros to whole 64-byte chunks and the
+// activation buffer to whole 16-row tiles; weight chunks that are not whole
+// (the last 64 k when K % 64 != 0, a narrow panel, every W4A8 panel) are
+// copied zero-padded into a scratch buffer once per call and panel.
+// Fewer rows run the VNNI code instead: a tile multiply costs the same whatever
+// rows it holds, and W4A8 pays for unpacking every weight. Measured one layer at
+// a time (K = N = 256, 1024, 2048; Xeon with AMX, one and two threads): W8A8
+// tiles were slower at 1-4 rows, level at 8 and 1.1-1.5x faster from 12 rows;
+// W4A8 tiles 0.2-0.9x at 1-12 rows, 0.85-1.1x at 16 and 1.04-1.3x from 24.
+// Layers of fewer than 64 inputs (an observation layer) fill a fraction of a
+// tile and were 10-20% slower on tiles at 32-64 rows: they stay on VNNI too.
+constexpr int64_t kAmxMinRowsW8A8 = 12, kAmxMinRowsW4A8 = 24;
+constexpr int64_t kAmxChunk = 64;        // k per tile multiply
+constexpr int64_t kAmxTileBytes = 1024;  // 16 rows x 64 bytes
+
+int64_t RoundUp(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+struct AmxArgs {
+  int64_t M, N, act, chunks;
+  const uint8_t* q;  // activations, rows of ldq >= 64 * chunks bytes, RoundUp(M, 16) rows
+  int64_t ldq;
+  const float* sx;
+  const int32_t* qsum;    // W4A8
+  const int32_t* colsum;  // W8A8
+  const float* scale;
+  const float* bias;
+  float* y;
+};
+
+#if ACTORQ_X86
+#define kAmxTarget kAvx512Target ",amx-tile,amx-int8"
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Eight tiles of 16 rows x 64 bytes. 0-3: int32 accumulators (row tile r, panel
+// c -> 2r + c); 4-5: activations of rows 0-15 and 16-31; 6-7: two panels' weights.
+__attribute__((target(kAmxTarget))) void AmxConfigure() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// Chunk c (64 k) of panel p of a W8A8 weight (layout above W8A32Panel) as one
+// weight tile: in place where the panel is full and the chunk whole, else
+// copied zero-padded into `tile` (1 KB). A narrow panel's group holds column j
+// at bytes 4j .. 4j + 3 as a tile row does; the rest of the row stays zero.
+const int8_t* W8A8AmxTile(const int8_t* w, const Geometry& g, int64_t p, int64_t c, int8_t* tile) {
+  const int8_t* base = w + p * kPanel * g.K;
+  const int64_t width = ValidCols(p * kPanel, g.N), G = g.K / 4, rem = g.K % 4, g0 = 16 * c;
+  if (width == kPanel && g0 + 16 <= G) return base + g0 * 64;
+  std::memset(tile, 0, kAmxTileBytes);
+  for (int64_t gi = g0; gi < std::min<int64_t>(G, g0 + 16); ++gi)
+    std::memcpy(tile + (gi - g0) * 64, base + gi * 4 * width, static_cast<size_t>(4 * width));
+  if (rem && G >= g0 && G < g0 + 16)  // the last, partial group of 4 k
+    for (int64_t j = 0; j < rem; ++j)
+      for (int64_t col = 0; col < width; ++col) tile[(G - g0) * 64 + col * 4 + j] = base[G * 4 * width + j * width + col];
+  return tile;
+}
+
+// Chunk c of panel p of a W4A8 weight (layout above W4A8Scalar) unpacked into
+// `tile` as unsigned nibbles w + 8: block b of 8 k gives tile rows 2b (k = 8b ..
+// 8b + 3, the low nibbles) and 2b + 1 (the high ones); rows past K8 / 4 are zero.
+__attribute__((target(kAmxTarget))) const int8_t* W4A8AmxTile(const uint8_t* w, int64_t K8, int64_t p, int64_t c,
+                                                              int8_t* tile) {
+  const uint8_t* wp = w + p * 8 * K8;
+  const __m512i nib = _mm512_set1_epi8(15);
+  const int64_t b0 = 8 * c, b1 = std::min<int64_t>(K8 / 8, b0 + 8);
+  for (int64_t b = b0; b < b1; ++b) {
+    const __m512i v = _mm512_loadu_si512(wp + b * 64);
+    _mm512_storeu_si512(tile + 2 * (b - b0) * 64, _mm512_and_si512(v, nib));
+    _mm512_storeu_si512(tile + (2 * (b - b0) + 1) * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), nib));
+  }
+  std::memset(tile + 2 * (b1 - b0) * 64, 0, static_cast<size_t>(kAmxTileBytes - 2 * (b1 - b0) * 64));
+  return tile;
+}
+
+// tdpbusd (u8 activations x s8 weights) for W8A8, tdpbsud (s8 x u8 nibbles) for W4A8.
+#define ACTORQ_TDP(kW4, c, a, b) \
+  do {                           \
+    if constexpr (kW4)           \
+      _tile_dpbsud(c, a, b);     \
+    else                         \
+      _tile_dpbusd(c, a, b);     \
+  } while (0)
+
+// Rows m0 .. m0 + 16 RT - 1 times the CT panels whose weight tiles `bt` lists
+// ([panel][chunk], n chunks each): the tile products over every chunk into the
+// accumulator tiles `acc` (1 KB each: row tile r, panel c at acc + (2r + c) * 256).
+template <bool kW4, int RT, int CT>
+__attribute__((target(kAmxTarget))) void AmxBlock(const AmxArgs& a, int64_t m0, const int8_t* const* bt, int64_t n,
+                                                  int32_t* acc) {
+  _tile_zero(0);
+  if constexpr (CT == 2) _tile_zero(1);
+  if constexpr (RT == 2) _tile_zero(2);
+  if constexpr (RT == 2 && CT == 2) _tile_zero(3);
+  const uint8_t* q0 = a.q + m0 * a.ldq;
+  const uint8_t* q1 = q0 + 16 * a.ldq;
+  for (int64_t j = 0; j < n; ++j) {
+    _tile_loadd(4, q0 + j * kAmxChunk, a.ldq);
+    _tile_loadd(6, bt[j], 64);
+    ACTORQ_TDP(kW4, 0, 4, 6);
+    if constexpr (CT == 2) {
+      _tile_loadd(7, bt[n + j], 64);
+      ACTORQ_TDP(kW4, 1, 4, 7);
+    }
+    if constexpr (RT == 2) {
+      _tile_loadd(5, q1 + j * kAmxChunk, a.ldq);
+      ACTORQ_TDP(kW4, 2, 5, 6);
+      if constexpr (CT == 2) ACTORQ_TDP(kW4, 3, 5, 7);
+    }
+  }
+  _tile_stored(0, acc, 64);
+  if constexpr (CT == 2) _tile_stored(1, acc + 256, 64);
+  if constexpr (RT == 2) _tile_stored(2, acc + 512, 64);
+  if constexpr (RT == 2 && CT == 2) _tile_stored(3, acc + 768, 64);
+}
+
+// Panels [p0, p1) (full or narrow), two at a time: their weight tiles (in place
+// or copied), the tile products of all rows, then the VNNI paths' epilogue and
+// the activation, row by row.
+template <bool kW4>
+__attribute__((target(kAmxTarget))) void AmxPanels(const Geometry& g, const AmxArgs& a, const int8_t* w, int64_t K8,
+                                                   int64_t p0, int64_t p1) {
+  const int64_t row_tiles = (g.M + 15) / 16, n = a.chunks;
+  thread_local std::vector<int32_t> accs;    // [row tile][panel of the pair][16 x 16], 64-byte aligned
+  thread_local std::vector<int8_t> scratch;  // the pair's weight tiles that are not in place: [panel][chunk]
+  thread_local std::vector<const int8_t*> bt;  // the pair's weight tiles: [panel][chunk]
+  accs.resize(static_cast<size_t>(row_tiles * 2 * 256) + 16);
+  scratch.resize(static_cast<size_t>(2 * n * kAmxTileBytes));
+  bt.resize(static_cast<size_t>(2 * n));
+  int32_t* acc = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(accs.data()) + 63) & ~uintptr_t{63});
+  AmxConfigure();
+  for (int64_t pb = p0; pb < p1; pb += 2) {
+    const int64_t cols = std::min<int64_t>(2, p1 - pb);
+    for (int64_t ct = 0; ct < cols; ++ct)
+      for (int64_t j = 0; j < n; ++j) {
+        int8_t* tile = scratch.data() + (ct * n + j) * kAmxTileBytes;
+        bt[ct * n + j] = kW4 ? W4A8AmxTile(reinterpret_cast<const uint8_t*>(w), K8, pb + ct, j, tile)
+                             : W8A8AmxTile(w, g, pb + ct, j, tile);
+      }
+    // Row blocks inside the pair: the pair's weight tiles (2 x K bytes) stay in L2 for the second.
+    for (int64_t rt = 0; rt < row_tiles; rt += 2) {
+      int32_t* at = acc + rt * 2 * 256;
+      if (cols == 2)
+        rt + 1 < row_tiles ? AmxBlock<kW4, 2, 2>(a, rt * 16, bt.data(), n, at)
+                           : AmxBlock<kW4, 1, 2>(a, rt * 16, bt.data(), n, at);
+      else
+        rt + 1 < row_tiles ? AmxBlock<kW4, 2, 1>(a, rt * 16, bt.data(), n, at)
+                           : AmxBlock<kW4, 1, 1>(a, rt * 16, bt.data(), n, at);
+    }
+    for (int64_t ct = 0; ct < cols; ++ct) {
+      const int64_t n0 = (pb + ct) * kPanel, nc = ValidCols(n0, a.N);
+      const __mmask16 mask = static_cast<__mmask16>((1u << nc) - 1u);
+      const __m512 sc = _mm512_maskz_loadu_ps(mask, a.scale + n0), b = _mm512_maskz_loadu_ps(mask, a.bias + n0);
+      const __m512i off = kW4 ? _mm512_setzero_si512() : _mm512_slli_epi32(_mm512_loadu_si512(a.colsum + n0), 7);
+      for (int64_t m = 0; m < g.M; ++m) {
+        __m512i v = _mm512_sub_epi32(_mm512_load_si512(acc + ((m / 16) * 2 + ct) * 256 + (m % 16) * 16), off);
+        if (kW4) v = _mm512_sub_epi32(v, _mm512_set1_epi32(8 * a.qsum[m]));
+        const __m512 rs = _mm512_mul_ps(_mm512_set1_ps(a.sx[m]), sc);
+        // Act512 of the stored value, lane by lane: what ActRows512 gives on the other paths.
+        const __m512 out = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), rs, b);
+        _mm512_mask_storeu_ps(a.y + m * a.N + n0, mask, g.act == kNone ? out : Act512(out, g.act));
+      }
+    }
+  }
+  // Hands the tile state back: a thread holding it makes every context switch save 8 KB more.
+  _tile_release();
+}
+#undef ACTORQ_TDP
+#endif  // ACTORQ_X86
+
+// ---------------------------------------------------------------------------
 // Layer norm (+ activation) over the last axis, as flax.linen.LayerNorm computes
 // it: var = max(0, E[x^2] - E[x]^2), y = (x - E[x]) * scale / sqrt(var + eps) + bias.
 // The D4PG policy normalises its first layer; as one call it costs a few
@@ -1427,6 +1647,10 @@ ffi::Error CheckDense(int64_t op, int64_t K, int64_t N, ffi::Span<const int64_t>
 
 // y [M, N] = act(x [M, K] @ W + bias) on the resolved path `p`.
 void RunDense(const Geometry& g, int64_t p, const float* x, const DenseOperands& d, float* y) {
+  // The AMX path is the AVX-512 one with tile products for W8A8 and W4A8 from a dozen or two rows on.
+  const bool amx = p == kAmx && g.K >= kAmxChunk &&
+                   ((d.op == kOpW8A8 && g.M >= kAmxMinRowsW8A8) || (d.op == kOpW4A8 && g.M >= kAmxMinRowsW4A8));
+  if (p == kAmx) p = kAvx512;
   if (d.op == kOpW8A32) {
     ForPanels(g.P, g.M * g.K * g.N, [&](int64_t p0, int64_t p1) {
 #if ACTORQ_X86
@@ -1437,21 +1661,29 @@ void RunDense(const Geometry& g, int64_t p, const float* x, const DenseOperands&
     });
     return;
   }
+  // AMX loads whole tiles: activation rows of 64-byte chunks, whole 16-row tiles. The row stride is
+  // an odd number of cache lines: at a power of two (K = 1024, 2048) a tile's 16 rows fell into two
+  // L1 sets and evicted each other.
+  const int64_t chunks = (g.K + kAmxChunk - 1) / kAmxChunk, amx_ld = (chunks | 1) * kAmxChunk;
+  const int64_t tile_rows = amx ? RoundUp(g.M, 16) : g.M;
   if (d.op == kOpW4A8) {
-    const int64_t K8 = (g.K + 7) / 8 * 8;
+    const int64_t K8 = (g.K + 7) / 8 * 8, ldq = amx ? amx_ld : K8;
     const float* sx;
-    const int8_t* q = QuantizeToScratch(x, g.M, g.K, K8, p, 0, &sx);
+    const int8_t* q = QuantizeToScratch(x, g.M, g.K, ldq, p, 0, &sx, tile_rows);
     thread_local std::vector<int32_t> qsum;
     qsum.resize(static_cast<size_t>(g.M));
     for (int64_t m = 0; m < g.M; ++m) {
       int32_t total = 0;
-      for (int64_t k = 0; k < g.K; ++k) total += q[m * K8 + k];
+      for (int64_t k = 0; k < g.K; ++k) total += q[m * ldq + k];
       qsum[m] = total;
     }
     const uint8_t* w = reinterpret_cast<const uint8_t*>(d.w);
     const int32_t* qs = qsum.data();
+    const AmxArgs a{g.M, g.N, g.act, chunks, reinterpret_cast<const uint8_t*>(q), ldq, sx, qs, nullptr,
+                    d.scale, d.bias, y};
     ForPanels(g.P, g.M * g.K * g.N / 2, [&](int64_t p0, int64_t p1) {
 #if ACTORQ_X86
+      if (amx) return AmxPanels<true>(g, a, d.w, K8, p0, p1);
       if (p == kAvx512) return W4A8Vnni(g, K8, q, qs, sx, w, d.scale, d.bias, y, p0, p1);
       if (p == kAvx2) return W4A8Avx2(g, K8, q, qs, sx, w, d.scale, d.bias, y, p0, p1);
 #endif
@@ -1459,14 +1691,16 @@ void RunDense(const Geometry& g, int64_t p, const float* x, const DenseOperands&
     });
     return;
   }
-  const int64_t K4 = (g.K + 3) / 4;
+  const int64_t K4 = (g.K + 3) / 4, ldq = amx ? amx_ld : K4 * 4;
   const float* sx;
-  // The VNNI path takes unsigned activations: q + 128, corrected by 128 * colsum (see W8A8VnniTile).
-  const int8_t* qc = QuantizeToScratch(x, g.M, g.K, K4 * 4, p, p == kAvx512 ? 0x80 : 0, &sx);
+  // The VNNI and AMX paths take unsigned activations: q + 128, corrected by 128 * colsum (see W8A8VnniTile).
+  const int8_t* qc = QuantizeToScratch(x, g.M, g.K, ldq, p, p == kAvx512 ? 0x80 : 0, &sx, tile_rows);
+  const uint8_t* qu = reinterpret_cast<const uint8_t*>(qc);
+  const AmxArgs a{g.M, g.N, g.act, chunks, qu, ldq, sx, nullptr, d.colsum, d.scale, d.bias, y};
   ForPanels(g.P, g.M * g.K * g.N, [&](int64_t p0, int64_t p1) {
 #if ACTORQ_X86
-    if (p == kAvx512)
-      return W8A8Vnni(g, K4, reinterpret_cast<const uint8_t*>(qc), sx, d.w, d.scale, d.bias, d.colsum, y, p0, p1);
+    if (amx) return AmxPanels<false>(g, a, d.w, 0, p0, p1);
+    if (p == kAvx512) return W8A8Vnni(g, K4, qu, sx, d.w, d.scale, d.bias, d.colsum, y, p0, p1);
     if (p == kAvx2) return W8A8Avx2(g, K4, qc, sx, d.w, d.scale, d.bias, y, p0, p1);
 #endif
     W8A8Scalar(g, K4, qc, sx, d.w, d.scale, d.bias, y, p0, p1);
@@ -1483,6 +1717,7 @@ ffi::Error CheckLayerNorm(int64_t N, size_t scale_len, size_t bias_len, float ep
 
 void RunLayerNorm(int64_t M, int64_t N, int64_t p, const float* x, const float* scale, const float* bias, float* y,
                   float eps, int64_t act) {
+  if (p == kAmx) p = kAvx512;  // no tile work in a layer norm
   for (int64_t m = 0; m < M; ++m) {
     const float* xr = x + m * N;
     float* yr = y + m * N;
@@ -1688,7 +1923,12 @@ void actorq_pack_panels(const int8_t* src, int64_t K, int64_t N, int64_t mode, i
 // Version of the handlers' signatures (see kAbiVersion).
 int64_t actorq_abi_version() { return kAbiVersion; }
 
-// Best path this CPU supports: 1 scalar, 2 avx2, 3 avx512.
+// The fewest rows (batch) from which the AMX path uses tiles for op 1 (W8A8) or 2 (W4A8); 0 for other ops.
+int64_t actorq_amx_min_rows(int64_t op) {
+  return op == kOpW8A8 ? kAmxMinRowsW8A8 : (op == kOpW4A8 ? kAmxMinRowsW4A8 : 0);
+}
+
+// Best path this CPU supports: 1 scalar, 2 avx2, 3 avx512, 4 amx.
 int64_t actorq_best_path() { return BestPath(); }
 
 int64_t actorq_path_supported(int64_t path) { return PathSupported(path) ? 1 : 0; }
