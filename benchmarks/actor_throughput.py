@@ -30,6 +30,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+from actorq_jax.kernels._library import ENV_PATH as ENV_KERNEL_PATH
 from actorq_jax.launch.placement import worker_env
 from actorq_jax.telemetry.schema import ACTOR_PHASES
 
@@ -85,14 +86,31 @@ def _serve(backend: str, bits: int, envs: int, publish_every: float, stop: threa
     return service, thread
 
 
-def _trial(backend: str, bits: int, envs: int, rounds: int, publish_every: float, task: str, layers: tuple) -> tuple:
+def _backends(quick: bool, amx: bool) -> list:
+    """The actors to compare, as (name, backend, bits, kernel path; "" for the default).
+
+    fp32 and int8; int4 (int8's code path with another packing) except in --quick; and where the
+    kernel multiplies on AMX tiles, the same int8 actor held to AVX-512 VNNI beside it (not in --quick,
+    a smoke test of the code path).
+    """
+    backends = [("fp32", "fp32", 32, ""), ("int8", "int8", 8, "")]
+    if not quick:
+        backends += [("int8_vnni", "int8", 8, "avx512")] if amx else []
+        backends.append(("int4", "int8", 4, ""))
+    return backends
+
+
+def _trial(backend: str, bits: int, envs: int, rounds: int, publish_every: float, task: str, layers: tuple,
+           kernel_path: str = "") -> tuple:
     """Runs one actor process with `envs` environments; env steps/s of each round after the first, and the
-    median milliseconds per env step of each phase."""
+    median milliseconds per env step of each phase. `kernel_path` forces the int8 kernel's path ("": its default)."""
     stop = threading.Event()
     with tempfile.TemporaryDirectory() as tmp:
         service, thread = _serve(backend, bits, envs, publish_every, stop, tmp, task, layers)
         try:
             env = worker_env()
+            if kernel_path:
+                env[ENV_KERNEL_PATH] = kernel_path
             proc = subprocess.run(
                 [sys.executable, "-m", "actorq_jax.launch.actor", "--server", f"127.0.0.1:{service.server.port}",
                  "--actor_id", str(ACTOR_ID), "--log_dir", tmp, "--threads", "1", "--max_episodes", str(rounds * envs)],
@@ -165,25 +183,26 @@ def main(argv=None) -> int:
         parser.error(f"--episodes must be >= 2 (the first round is dropped), got {rounds}")
     task, layers = (QUICK_TASK, QUICK_LAYERS) if args.quick else (TASK, LAYERS)
     ks = args.envs_per_actor or ((1, 8) if args.quick else (1, 8, 32))
-    backends = (("fp32", "fp32", 32), ("int8", "int8", 8), ("int4", "int8", 4))  # (name, backend, bits)
-    backends = backends[:2] if args.quick else backends  # int4 is int8's code path with another packing
-    cases = [(k, name, backend, bits) for k in ks for name, backend, bits in backends]
-    rates = {(k, name): [] for k, name, _, _ in cases}
-    phases = {(k, name): [] for k, name, _, _ in cases}
+    from actorq_jax import kernels
+
+    backends = _backends(args.quick, kernels.kernel_path() == "amx")
+    cases = [(k, name, backend, bits, path) for k in ks for name, backend, bits, path in backends]
+    rates = {(k, name): [] for k, name, *_ in cases}
+    phases = {(k, name): [] for k, name, *_ in cases}
     per_trial = []
     for trial in range(trials):
         order = cases if trial % 2 == 0 else cases[::-1]
         this = {}
-        for k, name, backend, bits in order:
-            this[(k, name)], trial_phases = _trial(backend, bits, k, rounds, args.publish_every, task, layers)
+        for k, name, backend, bits, path in order:
+            this[(k, name)], trial_phases = _trial(backend, bits, k, rounds, args.publish_every, task, layers, path)
             rates[(k, name)] += this[(k, name)]
             phases[(k, name)].append(trial_phases)
         per_trial.append(this)
-    rows = [{"envs_per_actor": k, "backend": name, "bits": bits,
+    rows = [{"envs_per_actor": k, "backend": name, "bits": bits, "kernel_path": path or "default",
              "median_steps_per_s": statistics.median(rates[(k, name)]), "rounds_measured": len(rates[(k, name)]),
              "speedup_vs_fp32": _ratio(per_trial, (k, name), (k, "fp32")),
              **{f"{p}_ms_per_step": statistics.median(t[p] for t in phases[(k, name)]) for p in PHASES}}
-            for k, name, _, bits in cases]
+            for k, name, _, bits, path in cases]
     headline = {}
     if 1 in ks:
         headline["steps_per_s_speedup_int8"] = _ratio(per_trial, (1, "int8"), (1, "fp32"))
@@ -193,12 +212,18 @@ def main(argv=None) -> int:
             r["adder_ms_per_step"] for r in rows if r["envs_per_actor"] == 8)
         if 1 in ks:
             headline["steps_per_s_k8_over_k1_int8"] = _ratio(per_trial, (8, "int8"), (1, "int8"))
+    if 32 in ks:
+        headline["steps_per_s_speedup_int8_k32"] = _ratio(per_trial, (32, "int8"), (32, "fp32"))
+        if any(name == "int8_vnni" for _, name, *_ in cases):
+            headline["steps_per_s_amx_over_vnni_k32"] = _ratio(per_trial, (32, "int8"), (32, "int8_vnni"))
+            headline["steps_per_s_speedup_int8_vnni_k32"] = _ratio(per_trial, (32, "int8_vnni"), (32, "fp32"))
     print(f"actor_throughput: one actor process, {task}, policy {'x'.join(map(str, layers))}, "
           f"refresh every 100 env steps, {trials} trial(s), K = {', '.join(map(str, ks))}")
-    print(f"{'K':>3} {'backend':>8} {'bits':>5} {'steps/s':>10} {'vs fp32':>8} {'rounds':>7}  ms/env step: "
+    print(kernels.describe_kernel())
+    print(f"{'K':>3} {'backend':>9} {'bits':>5} {'steps/s':>10} {'vs fp32':>8} {'rounds':>7}  ms/env step: "
           + " ".join(f"{p:>11}" for p in PHASES))
     for row in rows:
-        print(f"{row['envs_per_actor']:>3} {row['backend']:>8} {row['bits']:>5} {row['median_steps_per_s']:>10.1f} "
+        print(f"{row['envs_per_actor']:>3} {row['backend']:>9} {row['bits']:>5} {row['median_steps_per_s']:>10.1f} "
               f"{row['speedup_vs_fp32']:>8.2f} {row['rounds_measured']:>7}  " + "             "
               + " ".join(f"{row[p + '_ms_per_step']:>11.3f}" for p in PHASES))
     print("headline: " + ", ".join(f"{key}={value:.2f}" for key, value in headline.items()))

@@ -130,12 +130,44 @@ def _our_paths(batch: int) -> Dict[str, str]:
                                   for m in ("w8a8", "w4a8")}}
 
 
+def _traced_on_path(apply: Callable, path: str) -> Callable:
+    """A fresh jit of ``apply``'s function whose kernel calls take ``path`` (read once, when it is traced)."""
+    import jax
+
+    from actorq_jax.kernels import _library
+
+    # A new function object: a jit of the same one would reuse the trace (and the path) of the first.
+    inner = apply.__wrapped__
+    fresh = jax.jit(lambda params, obs: inner(params, obs))
+    traced = set()
+
+    def call(params: Any, obs: Any) -> Any:
+        if obs.shape in traced:  # compiled already: no environment to set on the timed calls
+            return fresh(params, obs)
+        before = os.environ.get(_library.ENV_PATH)
+        os.environ[_library.ENV_PATH] = path
+        try:
+            out = fresh(params, obs)
+        finally:
+            if before is None:
+                os.environ.pop(_library.ENV_PATH, None)
+            else:
+                os.environ[_library.ENV_PATH] = before
+        traced.add(obs.shape)
+        return out
+
+    return call
+
+
 def worker(threads: int, quick: bool) -> List[dict]:
     """Measures every case at one thread setting (jax must not be initialised before this runs)."""
     import jax
     import numpy as np
 
     from actorq_jax import kernels
+
+    # On an AMX machine our W8A8 also runs forced onto AVX-512 VNNI, beside it: the tiles' gain in one run.
+    amx = kernels.kernel_path() == "amx"
 
     kernels.set_num_threads(threads)
     # Full: about 5 minutes on 2 cores; many short trials, as the machines are shared and noisy.
@@ -146,6 +178,7 @@ def worker(threads: int, quick: bool) -> List[dict]:
     for hidden in hidden_sizes:
         apply, ours = policy_variants(hidden)
         ours["xla_fp32"] = params = ours.pop("fp32")
+        vnni_apply = _traced_on_path(apply, "avx512") if amx else None
         with tempfile.TemporaryDirectory() as workdir:
             sessions = _ort_sessions(params, threads, workdir)
         rng = np.random.default_rng(hidden)
@@ -154,6 +187,10 @@ def worker(threads: int, quick: bool) -> List[dict]:
             obs_jax = jax.numpy.asarray(obs)
             calls = {v: _jax_call(apply, ours[v], obs_jax) for v in VARIANTS if v in ours}
             calls.update({v: _ort_call(sessions[v], obs) for v in ("ort_fp32", "ort_int8")})
+            if amx:
+                calls["w8a8_vnni"] = _jax_call(vnni_apply, ours["w8a8"], obs_jax)
+                np.testing.assert_array_equal(np.asarray(vnni_apply(ours["w8a8"], obs_jax)),
+                                              np.asarray(apply(ours["w8a8"], obs_jax)))
             # The engines must agree on the answer before their times are compared.
             reference = np.asarray(apply(params, obs_jax))
             errors = {v: float(np.max(np.abs(np.asarray(sessions[v].run(None, {"obs": obs})[0]) - reference)))
@@ -162,6 +199,8 @@ def worker(threads: int, quick: bool) -> List[dict]:
             med = interleaved_medians(calls, trials, min_seconds)
             row = {"hidden": hidden, "batch": batch, "threads": threads}
             row.update({f"{v}_us": round(med[v], 1) for v in VARIANTS})
+            if amx:
+                row["w8a8_vnni_us"] = round(med["w8a8_vnni"], 1)
             row.update({f"{v}_max_abs_err": round(e, 6) for v, e in errors.items()})
             row["kernel"] = kernels.describe_kernel()
             row["paths"] = _our_paths(batch)
@@ -177,24 +216,33 @@ def _find(rows: List[dict], hidden: int, batch: int, threads: int) -> dict:
 
 
 def headline(rows: List[dict]) -> Dict[str, Any]:
-    """Every HEADLINE_CASES ratio (peer time / ours) at one thread; None where the case did not run."""
+    """Every HEADLINE_CASES ratio (peer time / ours) at one thread; None where the case did not run.
+
+    On an AMX machine also ``w8a8_amx_vs_vnni_<H>_b<batch>``: our W8A8 forced onto AVX-512 VNNI / on tiles.
+    """
     out = {}
     for ours, peer, hidden, batch in HEADLINE_CASES:
         r = _find(rows, hidden, batch, 1)
         out[headline_key(ours, peer, hidden, batch)] = round(r[f"{peer}_us"] / r[f"{ours}_us"], 2) if r else None
+    for hidden, batch in ((2048, 32), (2048, 64), (4096, 64)):
+        r = _find(rows, hidden, batch, 1)
+        if r and "w8a8_vnni_us" in r:
+            out[f"w8a8_amx_vs_vnni_{hidden}_b{batch}"] = round(r["w8a8_vnni_us"] / r["w8a8_us"], 2)
     return out
 
 
 def _table(rows: List[dict]) -> Tuple[str, ...]:
+    vnni = any("w8a8_vnni_us" in r for r in rows)  # an AMX machine: W8A8 on VNNI beside the tiles
     lines = ["| H | batch | threads | XLA fp32 | ours W8A32 | ours W8A8 | ours W4A8 | ORT fp32 | ORT int8 "
-             "| ORT int8 / W8A8 | ORT int8 / W4A8 | ORT fp32 / W8A8 |",
-             "|" + " --- |" * 12]
+             "| ORT int8 / W8A8 | ORT int8 / W4A8 | ORT fp32 / W8A8 |" + (" W8A8 VNNI | VNNI / W8A8 |" if vnni else ""),
+             "|" + " --- |" * (14 if vnni else 12)]
     for r in rows:
         lines.append(
             f"| {r['hidden']} | {r['batch']} | {r['threads']} | "
             + " | ".join(f"{r[f'{v}_us']:.0f}" for v in VARIANTS)
             + f" | {r['ort_int8_us'] / r['w8a8_us']:.2f}x | {r['ort_int8_us'] / r['w4a8_us']:.2f}x"
             + f" | {r['ort_fp32_us'] / r['w8a8_us']:.2f}x |"
+            + (f" {r['w8a8_vnni_us']:.0f} | {r['w8a8_vnni_us'] / r['w8a8_us']:.2f}x |" if vnni else "")
         )
     return tuple(lines)
 

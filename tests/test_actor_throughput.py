@@ -36,6 +36,15 @@ def test_actor_throughput_quick(tmp_path):
     assert headline["adder_us_per_transition_k8"] > 0
 
 
+def test_an_amx_machine_also_runs_the_int8_actor_held_to_vnni():
+    names = lambda quick, amx: [b[0] for b in actor_throughput._backends(quick, amx)]  # noqa: E731
+    assert names(False, False) == ["fp32", "int8", "int4"]
+    assert names(False, True) == ["fp32", "int8", "int8_vnni", "int4"]
+    assert names(True, True) == names(True, False) == ["fp32", "int8"]
+    vnni = actor_throughput._backends(False, True)[2]
+    assert vnni == ("int8_vnni", "int8", 8, "avx512")  # the int8 backend, its kernel path forced to AVX-512
+
+
 def test_rounds_are_episodes_ending_at_the_same_step():
     phases = {f"{p}_s": 0.0 for p in actor_throughput.PHASES}
     rows = [  # K = 2: both environments end every 1000 actor steps (2000 env steps)

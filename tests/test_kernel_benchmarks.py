@@ -49,6 +49,15 @@ def test_peers_quick(tmp_path):
         assert row["ort_fp32_max_abs_err"] < 1e-4 and row["ort_int8_max_abs_err"] < 0.05, row
     expected = {f"{ours}_vs_{peer}_{h}_b{b}" for peer in ("ort_int8", "ort_fp32")
                 for ours, h, b in (("w8a8", 256, 1), ("w8a8", 2048, 1), ("w8a8", 2048, 8), ("w8a8", 2048, 32),
-                                   ("w8a8", 4096, 8), ("w4a8", 2048, 1))}
+                                   ("w8a8", 2048, 64), ("w8a8", 4096, 8), ("w8a8", 4096, 64), ("w4a8", 2048, 1))}
+    from actorq_jax import kernels
+
+    amx = kernels.kernel_path() == "amx"
+    if amx:  # our W8A8 also ran forced onto AVX-512 VNNI, beside the tiles
+        expected |= {f"w8a8_amx_vs_vnni_{h}_b{b}" for h, b in ((2048, 32), (2048, 64), (4096, 64))}
     assert set(result["headline"]) == expected
+    for row in result["rows"]:  # which code each of our kernels ran is recorded with every row
+        tiles = amx and row["batch"] >= kernels.amx_min_rows("w8a8")
+        assert row["paths"]["w8a8"] == ("amx tiles" if tiles else "avx512 vnni" if amx else kernels.kernel_path())
+        assert ("w8a8_vnni_us" in row) == amx
     assert all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in result["headline"].values())
