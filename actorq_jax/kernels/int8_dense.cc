@@ -1397,6 +1397,8 @@ __attribute__((target(kAmxTarget))) void AmxConfigure() {
     cfg.colsb[t] = 64;
     cfg.rows[t] = 16;
   }
+  // ldtilecfg's builtin does not tell GCC that it reads cfg: without this, the stores above can go.
+  asm volatile("" : : "r"(&cfg) : "memory");
   _tile_loadconfig(&cfg);
 }
 
@@ -1443,12 +1445,43 @@ __attribute__((target(kAmxTarget))) const int8_t* W4A8AmxTile(const uint8_t* w, 
       _tile_dpbusd(c, a, b);     \
   } while (0)
 
+// The epilogue of one pair of panels whose accumulators are in memory: the VNNI
+// paths' epilogue and the activation, one (row, panel) at a time, so that it can
+// run in slices between the tile products of the next pair (the vector units
+// work while the tile unit does; the epilogue after each pair left it idle).
+struct AmxEpilogue {
+  const AmxArgs* a = nullptr;
+  const int32_t* acc = nullptr;  // [row tile][panel of the pair][16 x 16]
+  int64_t pb = 0, cols = 0, next = 0, units = 0;  // unit u: row u / cols, panel u % cols
+
+  __attribute__((target(kAmxTarget))) void Run(int64_t count) {
+    for (const int64_t end = std::min(units, next + count); next < end; ++next) {
+      const int64_t m = next / cols, ct = next % cols;
+      const int64_t n0 = (pb + ct) * kPanel, nc = ValidCols(n0, a->N);
+      const __mmask16 mask = static_cast<__mmask16>((1u << nc) - 1u);
+      const __m512 sc = _mm512_maskz_loadu_ps(mask, a->scale + n0), b = _mm512_maskz_loadu_ps(mask, a->bias + n0);
+      __m512i v = _mm512_load_si512(acc + ((m / 16) * 2 + ct) * 256 + (m % 16) * 16);
+      if (a->qsum != nullptr)  // W4A8: the +8 of the nibbles times the row's sum
+        v = _mm512_sub_epi32(v, _mm512_set1_epi32(8 * a->qsum[m]));
+      else  // W8A8: the +128 of the activations times the column sums
+        v = _mm512_sub_epi32(v, _mm512_slli_epi32(_mm512_loadu_si512(a->colsum + n0), 7));
+      const __m512 rs = _mm512_mul_ps(_mm512_set1_ps(a->sx[m]), sc);
+      // Act512 of the stored value, lane by lane: what ActRows512 gives on the other paths.
+      const __m512 out = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), rs, b);
+      _mm512_mask_storeu_ps(a->y + m * a->N + n0, mask, a->act == kNone ? out : Act512(out, a->act));
+    }
+  }
+};
+
 // Rows m0 .. m0 + 16 RT - 1 times the CT panels whose weight tiles `bt` lists
 // ([panel][chunk], n chunks each): the tile products over every chunk into the
-// accumulator tiles `acc` (1 KB each: row tile r, panel c at acc + (2r + c) * 256).
+// accumulator tiles `acc` (1 KB each: row tile r, panel c at acc + (2r + c) * 256),
+// running `per_chunk` units of the previous pair's epilogue after each chunk.
 template <bool kW4, int RT, int CT>
 __attribute__((target(kAmxTarget))) void AmxBlock(const AmxArgs& a, int64_t m0, const int8_t* const* bt, int64_t n,
-                                                  int32_t* acc) {
+                                                  int32_t* acc, AmxEpilogue& previous, int64_t per_chunk) {
+  // The tile instructions' asm names no memory: keep every write to the operands before them.
+  asm volatile("" ::: "memory");
   _tile_zero(0);
   if constexpr (CT == 2) _tile_zero(1);
   if constexpr (RT == 2) _tile_zero(2);
@@ -1468,63 +1501,60 @@ __attribute__((target(kAmxTarget))) void AmxBlock(const AmxArgs& a, int64_t m0, 
       ACTORQ_TDP(kW4, 2, 5, 6);
       if constexpr (CT == 2) ACTORQ_TDP(kW4, 3, 5, 7);
     }
+    previous.Run(per_chunk);
   }
   _tile_stored(0, acc, 64);
   if constexpr (CT == 2) _tile_stored(1, acc + 256, 64);
   if constexpr (RT == 2) _tile_stored(2, acc + 512, 64);
   if constexpr (RT == 2 && CT == 2) _tile_stored(3, acc + 768, 64);
+  // ... and every read of the accumulators after them.
+  asm volatile("" ::: "memory");
 }
 
 // Panels [p0, p1) (full or narrow), two at a time: their weight tiles (in place
-// or copied), the tile products of all rows, then the VNNI paths' epilogue and
-// the activation, row by row.
+// or copied) and the tile products of all rows, while the previous pair's
+// epilogue runs in slices; the last pair's epilogue after the loop.
 template <bool kW4>
 __attribute__((target(kAmxTarget))) void AmxPanels(const Geometry& g, const AmxArgs& a, const int8_t* w, int64_t K8,
                                                    int64_t p0, int64_t p1) {
-  const int64_t row_tiles = (g.M + 15) / 16, n = a.chunks;
-  thread_local std::vector<int32_t> accs;    // [row tile][panel of the pair][16 x 16], 64-byte aligned
+  const int64_t row_tiles = (g.M + 15) / 16, n = a.chunks, acc_ints = row_tiles * 2 * 256;
+  thread_local std::vector<int32_t> accs;    // two pairs' [row tile][panel of the pair][16 x 16], 64-byte aligned
   thread_local std::vector<int8_t> scratch;  // the pair's weight tiles that are not in place: [panel][chunk]
   thread_local std::vector<const int8_t*> bt;  // the pair's weight tiles: [panel][chunk]
-  accs.resize(static_cast<size_t>(row_tiles * 2 * 256) + 16);
+  accs.resize(static_cast<size_t>(2 * acc_ints) + 16);
   scratch.resize(static_cast<size_t>(2 * n * kAmxTileBytes));
   bt.resize(static_cast<size_t>(2 * n));
-  int32_t* acc = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(accs.data()) + 63) & ~uintptr_t{63});
+  int32_t* acc0 = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(accs.data()) + 63) & ~uintptr_t{63});
+  AmxEpilogue previous;  // nothing to do before the first pair
   AmxConfigure();
-  for (int64_t pb = p0; pb < p1; pb += 2) {
+  for (int64_t pb = p0, i = 0; pb < p1; pb += 2, ++i) {
     const int64_t cols = std::min<int64_t>(2, p1 - pb);
+    int32_t* acc = acc0 + (i % 2) * acc_ints;
     for (int64_t ct = 0; ct < cols; ++ct)
       for (int64_t j = 0; j < n; ++j) {
         int8_t* tile = scratch.data() + (ct * n + j) * kAmxTileBytes;
         bt[ct * n + j] = kW4 ? W4A8AmxTile(reinterpret_cast<const uint8_t*>(w), K8, pb + ct, j, tile)
                              : W8A8AmxTile(w, g, pb + ct, j, tile);
       }
+    // The previous pair's epilogue, spread over this pair's chunks (all of it by the last).
+    const int64_t passes = (row_tiles + 1) / 2, steps = passes * n;
+    const int64_t per_chunk = (previous.units - previous.next + steps - 1) / steps;
     // Row blocks inside the pair: the pair's weight tiles (2 x K bytes) stay in L2 for the second.
     for (int64_t rt = 0; rt < row_tiles; rt += 2) {
       int32_t* at = acc + rt * 2 * 256;
       if (cols == 2)
-        rt + 1 < row_tiles ? AmxBlock<kW4, 2, 2>(a, rt * 16, bt.data(), n, at)
-                           : AmxBlock<kW4, 1, 2>(a, rt * 16, bt.data(), n, at);
+        rt + 1 < row_tiles ? AmxBlock<kW4, 2, 2>(a, rt * 16, bt.data(), n, at, previous, per_chunk)
+                           : AmxBlock<kW4, 1, 2>(a, rt * 16, bt.data(), n, at, previous, per_chunk);
       else
-        rt + 1 < row_tiles ? AmxBlock<kW4, 2, 1>(a, rt * 16, bt.data(), n, at)
-                           : AmxBlock<kW4, 1, 1>(a, rt * 16, bt.data(), n, at);
+        rt + 1 < row_tiles ? AmxBlock<kW4, 2, 1>(a, rt * 16, bt.data(), n, at, previous, per_chunk)
+                           : AmxBlock<kW4, 1, 1>(a, rt * 16, bt.data(), n, at, previous, per_chunk);
     }
-    for (int64_t ct = 0; ct < cols; ++ct) {
-      const int64_t n0 = (pb + ct) * kPanel, nc = ValidCols(n0, a.N);
-      const __mmask16 mask = static_cast<__mmask16>((1u << nc) - 1u);
-      const __m512 sc = _mm512_maskz_loadu_ps(mask, a.scale + n0), b = _mm512_maskz_loadu_ps(mask, a.bias + n0);
-      const __m512i off = kW4 ? _mm512_setzero_si512() : _mm512_slli_epi32(_mm512_loadu_si512(a.colsum + n0), 7);
-      for (int64_t m = 0; m < g.M; ++m) {
-        __m512i v = _mm512_sub_epi32(_mm512_load_si512(acc + ((m / 16) * 2 + ct) * 256 + (m % 16) * 16), off);
-        if (kW4) v = _mm512_sub_epi32(v, _mm512_set1_epi32(8 * a.qsum[m]));
-        const __m512 rs = _mm512_mul_ps(_mm512_set1_ps(a.sx[m]), sc);
-        // Act512 of the stored value, lane by lane: what ActRows512 gives on the other paths.
-        const __m512 out = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), rs, b);
-        _mm512_mask_storeu_ps(a.y + m * a.N + n0, mask, g.act == kNone ? out : Act512(out, g.act));
-      }
-    }
+    previous.Run(previous.units);  // whatever rounding left
+    previous = AmxEpilogue{&a, acc, pb, cols, 0, g.M * cols};
   }
   // Hands the tile state back: a thread holding it makes every context switch save 8 KB more.
   _tile_release();
+  previous.Run(previous.units);
 }
 #undef ACTORQ_TDP
 #endif  // ACTORQ_X86
