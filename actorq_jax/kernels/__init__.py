@@ -16,7 +16,7 @@ for W8A8, 24 and up for W4A8, where the CPU has the tiles and Linux grants them)
 Without it every call falls back to ``reference_int8_dense`` after one warning.
 """
 
-from actorq_jax.kernels import _library
+from actorq_jax.kernels import _library, dense
 from actorq_jax.kernels.dense import (
     ACTIVATIONS,
     Int8DenseWeight,
@@ -45,13 +45,12 @@ def kernel_path() -> str:
 
 def amx_min_rows(mode: str) -> int:
     """The batch from which the "amx" path multiplies ``mode`` ("w8a8" or "w4a8") on AMX tiles (below: AVX-512 VNNI)."""
-    codes = {"w8a8": 1, "w4a8": 2}
-    if mode not in codes:
-        raise ValueError(f"mode must be one of {tuple(codes)}, got {mode!r}")
+    if mode not in ("w8a8", "w4a8"):
+        raise ValueError(f"mode must be one of ('w8a8', 'w4a8'), got {mode!r}")
     lib = _library.state().lib
     if lib is None:
         raise RuntimeError(describe_kernel())
-    return int(lib.actorq_amx_min_rows(codes[mode]))
+    return int(lib.actorq_amx_min_rows(dense._OP_CODES[mode]))
 
 
 def describe_kernel() -> str:
