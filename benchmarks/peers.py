@@ -32,7 +32,7 @@ from actor_inference import (
     run_worker,
 )
 
-from actorq_jax.telemetry.machine import machine_info
+from actorq_jax.telemetry.machine import cpu_has, machine_info
 
 HIDDEN = (256, 1024, 2048, 4096)
 BATCHES = (1, 8, 32, 64)
@@ -98,15 +98,6 @@ def _ort_sessions(params: Any, threads: int, workdir: str) -> Dict[str, Any]:
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     return {name: ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
             for name, path in (("ort_fp32", fp32_path), ("ort_int8", int8_path))}
-
-
-def _cpu_has(flag: str) -> bool:
-    """Whether /proc/cpuinfo lists ``flag`` (False where it cannot be read)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and flag in line.split() for line in f)
-    except OSError:
-        return False
 
 
 def _jax_call(apply: Callable, params: Any, obs: Any) -> Callable[[], Any]:
@@ -266,7 +257,7 @@ def main(argv: list | None = None) -> int:
         machine["onnxruntime_int8"] = ("quantize_dynamic(weight_type=QInt8): int8 weights, one scale per tensor; "
                                        "activations quantized per call; MLAS picks its int8 GEMM by CPUID "
                                        "(AMX tiles where the CPU has AMX-INT8, AVX-512 VNNI for small products)")
-        machine["amx_int8"] = _cpu_has("amx_int8")
+        machine["amx_int8"] = cpu_has("amx_int8")
     except ImportError:
         machine["onnxruntime"] = "not installed"
     kernel = rows[0]["kernel"] if rows else "unknown"

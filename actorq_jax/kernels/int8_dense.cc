@@ -1367,7 +1367,7 @@ constexpr int64_t kAmxTileBytes = 1024;  // 16 rows x 64 bytes
 int64_t RoundUp(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
 struct AmxArgs {
-  int64_t M, N, act, chunks;
+  int64_t N, act, chunks;
   const uint8_t* q;  // activations, rows of ldq >= 64 * chunks bytes, RoundUp(M, 16) rows
   int64_t ldq;
   const float* sx;
@@ -1709,7 +1709,7 @@ void RunDense(const Geometry& g, int64_t p, const float* x, const DenseOperands&
     }
     const uint8_t* w = reinterpret_cast<const uint8_t*>(d.w);
     const int32_t* qs = qsum.data();
-    const AmxArgs a{g.M, g.N, g.act, chunks, reinterpret_cast<const uint8_t*>(q), ldq, sx, qs, nullptr,
+    const AmxArgs a{g.N, g.act, chunks, reinterpret_cast<const uint8_t*>(q), ldq, sx, qs, nullptr,
                     d.scale, d.bias, y};
     ForPanels(g.P, g.M * g.K * g.N / 2, [&](int64_t p0, int64_t p1) {
 #if ACTORQ_X86
@@ -1726,7 +1726,7 @@ void RunDense(const Geometry& g, int64_t p, const float* x, const DenseOperands&
   // The VNNI and AMX paths take unsigned activations: q + 128, corrected by 128 * colsum (see W8A8VnniTile).
   const int8_t* qc = QuantizeToScratch(x, g.M, g.K, ldq, p, p == kAvx512 ? 0x80 : 0, &sx, tile_rows);
   const uint8_t* qu = reinterpret_cast<const uint8_t*>(qc);
-  const AmxArgs a{g.M, g.N, g.act, chunks, qu, ldq, sx, nullptr, d.colsum, d.scale, d.bias, y};
+  const AmxArgs a{g.N, g.act, chunks, qu, ldq, sx, nullptr, d.colsum, d.scale, d.bias, y};
   ForPanels(g.P, g.M * g.K * g.N, [&](int64_t p0, int64_t p1) {
 #if ACTORQ_X86
     if (amx) return AmxPanels<false>(g, a, d.w, 0, p0, p1);

@@ -17,6 +17,15 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_has(flag: str) -> bool:
+    """Whether /proc/cpuinfo lists ``flag`` among the CPU's flags (False where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return any(line.startswith("flags") and flag in line.split() for line in f)
+    except OSError:
+        return False
+
+
 def machine_info() -> Dict[str, Any]:
     """CPU, cores, JAX version and load average (machines are shared: ratios hold, absolute times less so)."""
     try:
