@@ -75,18 +75,31 @@ bool CpuHasAvx512() {
 }
 
 // AMX-INT8 needs the CPU's tile instructions (CPUID leaf 7: EDX bit 24 AMX-TILE,
-// bit 25 AMX-INT8) and, on Linux, the kernel's permission to use the 8 KB tile
-// state: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), granted to the
-// whole process once. Without the grant the first tile instruction would fault.
+// bit 25 AMX-INT8) and the OS's support of the tile state (XCR0 bits 17-18).
 bool CpuHasAmx() {
   static const bool ok = [] {
-    if (!CpuHasAvx512() || !__builtin_cpu_supports("avx512dq")) return false;
+    if (!CpuHasAvx512()) return false;
     unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
     if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
     if (!(edx & (1u << 24)) || !(edx & (1u << 25))) return false;
+    if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx) || !(ecx & (1u << 27))) return false;  // OSXSAVE
+    unsigned lo = 0, hi = 0;
+    __asm__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    return (lo & (3u << 17)) == (3u << 17);
+  }();
+  return ok;
+}
+
+// On Linux a process must also ask for the 8 KB tile state once
+// (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)); without the grant the first
+// tile instruction faults. Asked only when a product is about to use tiles, so a
+// process that never multiplies a batch that large (a one-environment actor) keeps
+// its signal frames and thread state as they were; refused, the VNNI code runs.
+bool AmxGranted() {
+  static const bool ok = [] {
 #if defined(__linux__)
     constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtileData = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtileData) == 0;
+    return CpuHasAmx() && syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtileData) == 0;
 #else
     return false;
 #endif
@@ -100,6 +113,7 @@ inline void CpuRelax() { _mm_pause(); }
 bool CpuHasAvx2() { return false; }
 bool CpuHasAvx512() { return false; }
 bool CpuHasAmx() { return false; }
+bool AmxGranted() { return false; }
 inline void CpuRelax() {}
 #endif
 
@@ -1679,7 +1693,8 @@ ffi::Error CheckDense(int64_t op, int64_t K, int64_t N, ffi::Span<const int64_t>
 void RunDense(const Geometry& g, int64_t p, const float* x, const DenseOperands& d, float* y) {
   // The AMX path is the AVX-512 one with tile products for W8A8 and W4A8 from a dozen or two rows on.
   const bool amx = p == kAmx && g.K >= kAmxChunk &&
-                   ((d.op == kOpW8A8 && g.M >= kAmxMinRowsW8A8) || (d.op == kOpW4A8 && g.M >= kAmxMinRowsW4A8));
+                   ((d.op == kOpW8A8 && g.M >= kAmxMinRowsW8A8) || (d.op == kOpW4A8 && g.M >= kAmxMinRowsW4A8)) &&
+                   AmxGranted();
   if (p == kAmx) p = kAvx512;
   if (d.op == kOpW8A32) {
     ForPanels(g.P, g.M * g.K * g.N, [&](int64_t p0, int64_t p1) {
