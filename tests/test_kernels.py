@@ -432,6 +432,15 @@ def test_missing_library_warns_once_and_falls_back():
         # The fused MLP falls back to the same reference, layer by layer.
         y3 = kernels.int8_mlp(x, [kernels.MlpDense(w, None, "tanh")])
         assert np.array_equal(np.asarray(y3), np.asarray(kernels.reference_int8_dense(x, w, None, "tanh")))
+        # A named path asks for the compiled kernel: no silent reference behind it.
+        for call in (lambda: kernels.int8_dense(x, w, path="avx2"),
+                     lambda: kernels.int8_mlp(x, [kernels.MlpDense(w, None, "tanh")], path="scalar")):
+            try:
+                call()
+            except ValueError as exc:
+                assert "does-not-exist.so" in str(exc) and "unavailable" in str(exc), exc
+            else:
+                raise AssertionError("a named path ran without the library")
         print("FALLBACK-OK")
         """
     )
@@ -488,6 +497,20 @@ def test_kernel_is_built():
     assert _library.state().lib.actorq_abi_version() == _library.ABI_VERSION
 
 
+@needs_kernel
+def test_kernel_path_and_description_follow_the_environment(monkeypatch):
+    monkeypatch.setenv(_library.ENV_PATH, "scalar")
+    assert kernels.kernel_path() == "scalar"
+    assert kernels.describe_kernel().startswith("int8 kernel: scalar path (held by $ACTORQ_KERNEL_PATH)")
+    monkeypatch.setenv(_library.ENV_PATH, "reference")
+    assert kernels.kernel_path() == "reference"
+    monkeypatch.setenv(_library.ENV_PATH, "avx9")
+    with pytest.raises(ValueError, match="avx9"):
+        kernels.kernel_path()
+    monkeypatch.delenv(_library.ENV_PATH)
+    assert kernels.kernel_path() == _library.best_path() and "held by" not in kernels.describe_kernel()
+
+
 def _bits_case(rng, batch, K, N, mode):
     """x, packed weights of the full range of ``mode`` (-8..7 for w4a8, -128..127 else) and a bias."""
     low, high = (-8, 8) if mode == "w4a8" else (-128, 128)
@@ -502,8 +525,9 @@ def _require_amx():
 
 
 @needs_amx
-def test_amx_is_chosen_where_the_cpu_has_it():
+def test_amx_is_chosen_where_the_cpu_has_it(monkeypatch):
     _require_amx()
+    monkeypatch.delenv(_library.ENV_PATH, raising=False)
     assert kernels.kernel_path() == "amx" and "amx path" in kernels.describe_kernel()
 
 

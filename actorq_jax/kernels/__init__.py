@@ -39,8 +39,11 @@ def kernel_available() -> bool:
 
 
 def kernel_path() -> str:
-    """The path int8_dense uses by default: "amx", "avx512", "avx2", "scalar", or "reference" without the library."""
-    return _library.best_path()
+    """The path int8_dense uses by default: $ACTORQ_KERNEL_PATH where it names one, else the fastest this CPU has."""
+    held = dense._default_path()
+    if held == "auto" or _library.state().lib is None:
+        return _library.best_path()  # "reference" without the library
+    return held
 
 
 def amx_min_rows(mode: str) -> int:
@@ -64,6 +67,8 @@ def describe_kernel() -> str:
                 f"for W4A8; AVX-512 VNNI below)")
     else:
         path += " path"
+    if dense._default_path() != "auto":
+        path += f" (held by ${_library.ENV_PATH})"
     return f"int8 kernel: {path}, {get_num_threads()} thread(s), {state.path}"
 
 

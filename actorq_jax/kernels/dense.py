@@ -267,6 +267,10 @@ def _kernel_path(path: Optional[str]) -> Optional[int]:
         return None
     state = _library.state()
     if state.lib is None:
+        if path != "auto":
+            # A named path is a request for the compiled kernel; answering it with the slow
+            # reference would hide a broken build behind a benchmark figure.
+            raise ValueError(f"kernel path {path!r} needs the int8 library, which is unavailable: {state.reason}")
         _warn_fallback_once(state.reason)
         return None
     if not _library.path_supported(path):
