@@ -69,7 +69,8 @@ def render_rq2(study_dir: Path, figures_dir: Path, figure_link: str) -> str:
     table = analysis.bits_table(sweep.runs, sweep.evals)
     lines = _provenance(study_dir, int(sweep.runs["complete"].sum()))
     lines += ["", analysis.bits_markdown(table, TOLERANCE), ""]
-    lines.append(f"Final: the shutdown evaluation's mean return over its episodes; best: the highest evaluation's; "
+    lines.append("Final: the shutdown evaluation's mean return over its episodes; best: the highest evaluation's "
+                 "after the first SGD step; "
                  f"mean ± sample std over seeds. \"Within {TOLERANCE:.0%}\": mean final return >= q=32's less "
                  f"{TOLERANCE:.0%} of its size; a higher return counts as within, and the bit-widths above the "
                  f"fewest need not pass.")

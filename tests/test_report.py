@@ -34,6 +34,15 @@ def test_a_hit_is_the_first_evaluation_whose_mean_over_episodes_reaches_the_targ
     assert analysis.time_to_target(evals, 950.0).wall_seconds == 30.0  # reaching counts (>=), first not best
 
 
+def test_best_return_leaves_out_the_untrained_policy_like_time_to_target():
+    # The step-0 evaluation (no SGD step yet) scored 680, above every trained one: it is not the run's best.
+    evals = _evals([(0, 0, 0, 0, [660, 700]), (10, 100, 50, 0, [300, 340]), (20, 200, 100, 1, [420, 400])])
+    assert analysis.final_and_best_returns(evals) == (410.0, 410.0)  # final 410; best of 320 and 410
+    assert not analysis.time_to_target(evals, 650.0).reached
+    final, best = analysis.final_and_best_returns(_evals([(0, 0, 0, 1, [500])]))  # never trained: no best
+    assert final == 500.0 and math.isnan(best)
+
+
 def test_a_miss_is_nan_and_not_reached_never_the_budget():
     reach = analysis.time_to_target(_evals([(10, 100, 50, 0, [100, 200]), (20, 200, 100, 1, [899, 900])]), 900.0)
     assert not reach.reached

@@ -63,7 +63,9 @@ def eval_points(evals: pd.DataFrame, policy: str = "fp32") -> pd.DataFrame:
 def final_and_best_returns(evals: pd.DataFrame, policy: str = "fp32") -> Tuple[float, float]:
     """(final, best) mean evaluation return of `policy` in one run's eval.csv; NaN when it was never evaluated.
 
-    Final is the shutdown evaluation (final=1), else the last periodic one; best is the highest of all.
+    Final is the shutdown evaluation (final=1), else the last periodic one; best is the highest of those
+    after at least one SGD step (NaN without one), as in `time_to_target`: the untrained policy's
+    evaluation at step 0 says nothing of training, and a lucky one would stand as a run's best.
     """
     # One run: the metadata columns eval_points groups by are constant here.
     frame = evals.assign(**{c: 0 for c in META_COLUMNS if c not in evals.columns})
@@ -71,7 +73,8 @@ def final_and_best_returns(evals: pd.DataFrame, policy: str = "fp32") -> Tuple[f
     if points.empty:
         return math.nan, math.nan
     ordered = points.sort_values(["final", "learner_steps"])
-    return float(ordered["return"].iloc[-1]), float(points["return"].max())
+    trained = points[points["learner_steps"] >= 1]
+    return float(ordered["return"].iloc[-1]), float(trained["return"].max()) if len(trained) else math.nan
 
 
 @dataclasses.dataclass(frozen=True)
