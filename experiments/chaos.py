@@ -307,9 +307,10 @@ def check(soak: Soak, disturbed: Dict[str, Any], reference_dir: Path) -> List[tu
         for i, row in enumerate(read_csv(path)):
             rows += 1
             rejected = max(rejected, row.get("rejected_payloads") or 0)
-            numbers = [k for k in ACTOR_FIELDS if k != "incarnation"]
+            text = ("incarnation", "policy_backend")
+            numbers = [k for k in ACTOR_FIELDS if k not in text]
             if (list(row) != list(ACTOR_FIELDS) or any(not isinstance(row[k], (int, float)) for k in numbers)
-                    or not isinstance(row["incarnation"], str)):
+                    or any(not isinstance(row[k], str) for k in text)):
                 bad_rows.append(f"{path.name}:{i + 2}")
     results.append(("actor CSV rows well-formed", rows > 0 and not bad_rows,
                     f"{rows} rows, {len(bad_rows)} malformed {bad_rows[:5]}; most payloads one actor rejected: {rejected}"))

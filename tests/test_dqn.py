@@ -330,6 +330,7 @@ def test_learner_and_two_actors_on_cartpole_exit_cleanly(tmp_path):
     assert summary["env_steps"] > 0
     assert summary["learner_steps"] >= 300, summary["learner_steps"]
     assert summary["actor_episodes"] > 0
+    assert len(summary["actor_policy_backends"]) == 1 and summary["actor_policy_backends"][0].startswith("int8/w8a8/")
     assert not any("died" in event for event in summary["events"]), summary["events"]
     eval_rows = (results / "eval.csv").read_text().strip().splitlines()
     assert len(eval_rows) >= 3  # header + at least the fp32 and the 8-bit actor policy's final evaluation

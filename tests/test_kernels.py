@@ -511,6 +511,19 @@ def test_kernel_path_and_description_follow_the_environment(monkeypatch):
     assert kernels.kernel_path() == _library.best_path() and "held by" not in kernels.describe_kernel()
 
 
+@needs_kernel
+def test_actor_backend_names_the_kernel_path_it_runs_on(monkeypatch):
+    from actorq_jax.launch.precision import ActorPrecision, describe_backend
+
+    monkeypatch.delenv(_library.ENV_PATH, raising=False)
+    assert describe_backend(ActorPrecision(actor_bits=8, comm_bits=8)) == f"int8/w8a8/{_library.best_path()}"
+    assert describe_backend(ActorPrecision(actor_bits=4, comm_bits=8)) == f"int8/w4a8/{_library.best_path()}"
+    monkeypatch.setenv(_library.ENV_PATH, "scalar")
+    assert describe_backend(ActorPrecision(actor_bits=8, comm_bits=8, int8_mode="w8a32")) == "int8/w8a32/scalar"
+    assert describe_backend(ActorPrecision(actor_bits=32, comm_bits=32)) == "fp32"
+    assert describe_backend(ActorPrecision(actor_bits=8, comm_bits=8, backend="fakequant")) == "fakequant"
+
+
 def _bits_case(rng, batch, K, N, mode):
     """x, packed weights of the full range of ``mode`` (-8..7 for w4a8, -128..127 else) and a bias."""
     low, high = (-8, 8) if mode == "w4a8" else (-128, 128)

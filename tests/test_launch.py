@@ -69,6 +69,10 @@ def test_budget_run_leaves_a_complete_results_directory(tmp_path):
     # And the cores each could use (the shared layout: all of this process's), which tell who shared a core.
     every = sorted(os.sched_getaffinity(0))
     assert summary["worker_cores"] == {name: every for name in summary["worker_cpu_s"]}
+    # What computed the 8-bit actor's policy, as the actor resolved it (the kernel path of this CPU).
+    from actorq_jax import kernels
+
+    assert summary["actor_policy_backends"] == [f"int8/w8a8/{kernels.kernel_path()}"], summary["actor_policy_backends"]
     assert summary["final_eval_return"] == summary["final_eval_return"]  # not NaN: a final evaluation ran
     # The run's processes met on the loopback; the hint for other machines names none of its addresses.
     joins = [e for e in summary["events"] if "remote actors join with" in e]

@@ -113,7 +113,7 @@ class Actor:
     def __init__(self, run: Any, agent_config: Any, actor_id: int, address: str, stop: threading.Event,
                  restart: int = 0, server_timeout_s: Optional[float] = None):
         from actorq_jax.environments import environment_spec
-        from actorq_jax.launch.precision import ActorPrecision, make_param_loader, resolve_backend
+        from actorq_jax.launch.precision import ActorPrecision, describe_backend, make_param_loader, resolve_backend
         from actorq_jax.quantization import QuantConfig, quantize
         from actorq_jax.telemetry import PhaseTimer
 
@@ -125,7 +125,9 @@ class Actor:
             self.builder.vector_behaviour_policy(actor_id, run.num_actors, envs_per_actor))
         self.feedback = self.builder.priority_feedback()  # None: items enter at the adder's own priority
         precision = ActorPrecision(run.actor_bits, run.wire_bits, run.granularity, run.actor_backend, run.int8_mode)
-        if resolve_backend(precision) == "int8":
+        backend = resolve_backend(precision)
+        self.backend = describe_backend(precision, backend)  # written into every episode row
+        if backend == "int8":
             from actorq_jax import kernels
 
             kernels.set_num_threads(max(1, run.actor_threads))
@@ -300,6 +302,7 @@ class Actor:
             "wall_seconds": round(time.monotonic() - self.start, 3),
             "params_version": self.variables.version,
             "rejected_payloads": self.variables.rejected,
+            "policy_backend": self.backend,
             **{f"{phase}_s": round(totals.get(phase, 0.0), 6) for phase in ACTOR_PHASES},
             **{f"{phase}_cpu_s": round(cpu.get(phase, 0.0), 6) for phase in ACTOR_PHASES},
         }

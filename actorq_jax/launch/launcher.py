@@ -393,14 +393,17 @@ class Launcher:
             summary[f"best_eval_return{suffix}"] = best
         totals = {phase: 0.0 for phase in ACTOR_PHASES}
         cpu = {phase: 0.0 for phase in ACTOR_PHASES}
-        episodes = 0
+        episodes, backends = 0, set()
         for path in self.dir.actor_csvs():
             for row in _read_rows(path):
                 episodes += 1
+                if row.get("policy_backend"):
+                    backends.add(str(row["policy_backend"]))
                 for phase in ACTOR_PHASES:
                     totals[phase] += float(row.get(f"{phase}_s") or 0.0)
                     cpu[phase] += float(row.get(f"{phase}_cpu_s") or 0.0)
         summary["actor_episodes"] = episodes
+        summary["actor_policy_backends"] = sorted(backends)  # what computed the actors' policies (the int8 kernel path)
         summary["actor_time_s"] = totals
         summary["actor_cpu_time_s"] = cpu  # beside the wall time: what the actors' threads computed
         summary["worker_cpu_s"] = self.cpu.by_worker()  # each process's CPU, the replay service's included

@@ -8,7 +8,7 @@ actors of every agent and the evaluator's quantized policy.
 
 import dataclasses
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import jax
 
@@ -54,6 +54,17 @@ def resolve_backend(precision: ActorPrecision) -> str:
         log.warning("int8 kernel not built on this machine; actors use fakequant (the same quantized weights with "
                     "float activations, at float speed)")
     return "fakequant"
+
+
+def describe_backend(precision: ActorPrecision, backend: Optional[str] = None) -> str:
+    """What computes a policy at `precision` (`backend`: resolved already): "fp32", "fakequant", or
+    "int8/<packing>/<kernel path>"."""
+    backend = backend or resolve_backend(precision)
+    if backend != "int8":
+        return backend
+    from actorq_jax import kernels
+
+    return f"int8/{precision.kernel_mode()}/{kernels.kernel_path()}"
 
 
 def make_param_loader(precision: ActorPrecision) -> Callable[[Any], Any]:

@@ -12,12 +12,14 @@ ACTOR_PHASES = ("env_step", "inference", "adder", "rate_limit_wait", "pull", "de
 # phase's wall time in the episode, <phase>_cpu_s the process's CPU time while it ran (all threads: XLA computes
 # on its own; pull, deserialize and load run in the variable client's thread and count that thread's CPU): wall
 # well above CPU means the process waited for a core (or, for adder and pull, for the server).
+# policy_backend names what computed the actor's policy: "fp32", "fakequant" or "int8/<packing>/<kernel path>" (e.g.
+# "int8/w8a8/amx"; the path the process resolved, so a run says whether its actors had the compiled kernel).
 # summary.json's "cpu_clock" says which clock a run's CPU columns used ("process"; runs without it: the timing
 # thread's alone, which misses the compute XLA runs on its own threads).
 CPU_CLOCK = "process"
 ACTOR_FIELDS = (
     "actor_id", "incarnation", "episode", "env_index", "env_steps", "episode_return", "episode_length", "wall_seconds",
-    "params_version", "rejected_payloads",
+    "params_version", "rejected_payloads", "policy_backend",
 ) + tuple(f"{phase}_s" for phase in ACTOR_PHASES) + tuple(f"{phase}_cpu_s" for phase in ACTOR_PHASES)
 
 # eval.csv: one row per evaluation episode and policy ("fp32", or "actor": what actors run).
