@@ -146,6 +146,25 @@ def test_csv_logger_reopen_appends_and_rejects_other_header(tmp_path):
     assert [r["step"] for r in read_csv(path)] == [1, 2]  # untouched
 
 
+def test_run_csv_made_by_older_code_goes_on_without_the_newer_columns(tmp_path, caplog):
+    from actorq_jax.telemetry.csv_logger import open_run_csv
+
+    path = tmp_path / "actor_0.csv"
+    with CsvLogger(path, ["step", "loss"]) as log:  # the run's first part, before "backend" existed
+        log.write({"step": 1, "loss": 2.0})
+    with caplog.at_level("WARNING"), open_run_csv(path, ["step", "backend", "loss"], flush_every_s=0) as log:
+        assert log.dropped_columns == ("backend",) and log.fieldnames == ("step", "loss")
+        log.write({"step": 2, "backend": "int8/w8a8/amx", "loss": 3.0})
+        with pytest.raises(ValueError, match="unknown CSV column"):  # still only the schema's keys
+            log.write({"step": 3, "typo": 1})
+    assert "['backend']" in caplog.text and "actor_0.csv" in caplog.text
+    assert read_csv(path) == [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 3.0}]
+    with pytest.raises(ValueError, match="header"):  # a column the schema does not know: another file
+        open_run_csv(path, ["step", "backend"])
+    with CsvLogger(tmp_path / "new.csv", ["step", "backend"], keep_older_header=True) as log:
+        assert log.dropped_columns == () and log.fieldnames == ("step", "backend")
+
+
 def test_csv_logger_drops_partial_row_left_by_a_kill(tmp_path):
     path = tmp_path / "a.csv"
     path.write_text("step,loss\n1,2.0\n2,3.")  # killed mid-row

@@ -333,13 +333,14 @@ def run_actor(
     `takeover_id`: the launcher's own actors take their slot's lease over (a restart replaces a dead holder).
     """
     from actorq_jax.launch.leases import IdLease, IdTaken
-    from actorq_jax.telemetry import ACTOR_FIELDS, CsvLogger
+    from actorq_jax.telemetry import ACTOR_FIELDS
+    from actorq_jax.telemetry.csv_logger import open_run_csv
 
     actor = Actor(run, agent_config, actor_id, address, stop, restart, server_timeout_s)
     lease = IdLease(address, actor_id, takeover=takeover_id)
     # One row per episode, flushed at once: a killed actor loses no finished episode.
     csv_path = Path(log_dir) / RunDir.actor_file(actor_id)
-    logger = CsvLogger(csv_path, ACTOR_FIELDS, flush_every_s=0)
+    logger = open_run_csv(csv_path, ACTOR_FIELDS, flush_every_s=0)
     gone: Optional[ServerGone] = None
     try:
         if not actor.connect():

@@ -242,11 +242,13 @@ class RowDrain:
         self._loggers.clear()
 
     def _logger(self, actor_id: int) -> Any:
-        from actorq_jax.telemetry import ACTOR_FIELDS, CsvLogger
+        from actorq_jax.telemetry import ACTOR_FIELDS
+        from actorq_jax.telemetry.csv_logger import open_run_csv
 
         if actor_id not in self._loggers:
             # Flushed at once, as the actors' own files are: a killed service loses no drained row.
-            self._loggers[actor_id] = CsvLogger(self._dir / RunDir.actor_file(actor_id), ACTOR_FIELDS, flush_every_s=0)
+            self._loggers[actor_id] = open_run_csv(self._dir / RunDir.actor_file(actor_id), ACTOR_FIELDS,
+                                                   flush_every_s=0)
         return self._loggers[actor_id]
 
 

@@ -119,9 +119,9 @@ class ForwardedCsv:
 
 def row_log(path: Path, fields: Sequence[str], forward_to: Optional[str] = None, flush_every_s: float = 2.0) -> Any:
     """A CsvLogger for `path`; with `forward_to` (the service's address, under Ray) its rows are sent there too."""
-    from actorq_jax.telemetry import CsvLogger
+    from actorq_jax.telemetry.csv_logger import open_run_csv
 
-    logger = CsvLogger(path, fields, flush_every_s=flush_every_s)
+    logger = open_run_csv(path, fields, flush_every_s=flush_every_s)
     return logger if forward_to is None else ForwardedCsv(logger, RowSender(forward_to, Path(path).name, fields))
 
 
@@ -175,10 +175,10 @@ class RunRowDrain:
         self._last_step = step
 
     def _logger(self, file: str, fields: List[str]) -> Any:
-        from actorq_jax.telemetry import CsvLogger
+        from actorq_jax.telemetry.csv_logger import open_run_csv
 
         if file not in self._loggers:
-            self._loggers[file] = CsvLogger(self._dir / file, fields, flush_every_s=0)
+            self._loggers[file] = open_run_csv(self._dir / file, fields, flush_every_s=0)
         return self._loggers[file]
 
     def close(self) -> None:

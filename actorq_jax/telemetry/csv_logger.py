@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import io
+import logging
 import os
 import threading
 from pathlib import Path
@@ -58,9 +59,15 @@ class CsvLogger:
 
     Unknown keys raise ValueError naming them; missing keys and None values
     are written as empty fields. Values are written with str(). Thread-safe.
+
+    `keep_older_header=True` lets a file written before columns were added
+    continue: when every column of its header is among `fieldnames`, rows
+    go on in the file's own columns and the newer ones (`dropped_columns`)
+    are left out, instead of a ValueError that would stop a resumed run.
     """
 
-    def __init__(self, path: PathLike, fieldnames: Sequence[str], flush_every_s: float = 2.0):
+    def __init__(self, path: PathLike, fieldnames: Sequence[str], flush_every_s: float = 2.0,
+                 keep_older_header: bool = False):
         fieldnames = list(fieldnames)
         if not fieldnames:
             raise ValueError(f"CsvLogger for {path}: fieldnames must not be empty")
@@ -76,7 +83,8 @@ class CsvLogger:
 
         self._path = Path(path)
         self._fieldnames = tuple(fieldnames)
-        self._fieldset = frozenset(fieldnames)
+        self._fieldset = frozenset(fieldnames)  # the keys a row may have (also those an older file leaves out)
+        self.dropped_columns: tuple = ()
         self._flush_every_s = flush_every_s
         self._path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -84,7 +92,11 @@ class CsvLogger:
         if self._path.exists() and self._path.stat().st_size > 0:
             existing = _read_header(self._path)
             if existing is not None:
-                if existing != fieldnames:
+                older = keep_older_header and existing != fieldnames and set(existing) <= self._fieldset
+                if older and len(set(existing)) == len(existing):
+                    self._fieldnames = tuple(existing)
+                    self.dropped_columns = tuple(name for name in fieldnames if name not in existing)
+                elif existing != fieldnames:
                     raise ValueError(
                         f"{self._path} already has header {existing}, which differs from "
                         f"the requested {fieldnames}; use another file"
@@ -167,6 +179,16 @@ class CsvLogger:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close()
+
+
+def open_run_csv(path: PathLike, fieldnames: Sequence[str], flush_every_s: float = 2.0) -> CsvLogger:
+    """A CsvLogger for one of a run's streams that a resumed run made by older code can continue (without the
+    columns its file lacks; a warning names them)."""
+    logger = CsvLogger(path, fieldnames, flush_every_s=flush_every_s, keep_older_header=True)
+    if logger.dropped_columns:
+        logging.getLogger(__name__).warning(
+            "%s predates the columns %s; the resumed run goes on without them", logger.path, list(logger.dropped_columns))
+    return logger
 
 
 def parse_field(value: Optional[str]) -> Any:
