@@ -267,3 +267,33 @@ def test_resume_continues_learner_steps_and_env_steps(tmp_path):
     assert third.returncode == 1 and f"port {port}" in third.stderr and "taken" in third.stderr, third.stderr[-2000:]
     failed = json.loads((results / "summary.json").read_text())
     assert failed["learner_steps"] == 200 and failed["counters_from"] == "checkpoint at learner step 200"
+
+
+# The launcher's run, with its port pick handed to a socket this wrapper holds and the pre-start check blinded,
+# so the replay service's bind is what finds the port taken (another process won the race after the pick).
+_PORT_RACE = """
+import socket, sys
+from actorq_jax.launch import runtime
+held = socket.socket(); held.bind(("127.0.0.1", 0)); held.listen(1)
+picks = iter([held.getsockname()[1]])
+real_free_port = runtime.free_port
+runtime.free_port = lambda: next(picks, None) or real_free_port()
+runtime.port_in_use = lambda port: False
+from actorq_jax.launch.launcher import run_experiment
+sys.exit(run_experiment("d4pg", sys.argv[1:]))
+"""
+
+
+@pytest.mark.process
+@pytest.mark.timeout(400)
+def test_a_picked_port_taken_before_the_service_binds_it_is_picked_again(tmp_path):
+    d = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-c", _PORT_RACE, *TINY, "--num_actors", "1", "--max_learner_steps", "100",
+                           "--results_dir", str(d)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=360)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    summary = json.loads((d / "summary.json").read_text())
+    assert summary["learner_steps"] == 100 and summary["env_steps"] > 0
+    moved = [e for e in summary["events"] if "was taken before the replay service could bind it" in e]
+    assert len(moved) == 1, summary["events"]
+    port = json.loads((d / "config.json").read_text())["run"]["port"]
+    assert f"starting again on port {port}" in moved[0]  # the config names the port the run used

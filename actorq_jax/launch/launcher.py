@@ -41,6 +41,9 @@ EVALUATOR_FINAL_TIMEOUT_S = 600.0
 # With every launcher actor gone for good, the run stops once no env step has arrived for this long
 # (remote actors, if any, keep it going): the learner would otherwise wait on replay until its budget.
 NO_ACTORS_STALL_S = 30.0
+# Starts on a fresh port when another process took the launcher's pick before the service bound it.
+PORT_ATTEMPTS = 3
+LEARNER_RESTART_STOP_S = 10.0
 
 
 @dataclasses.dataclass
@@ -125,7 +128,8 @@ class Launcher:
             folder.mkdir(parents=True, exist_ok=True)
         for stale in ("replay", "learner", "launcher"):
             self.record.path(stale).unlink(missing_ok=True)
-        if run.port == 0:
+        self.port_chosen = run.port == 0  # ours to change if another process takes it before the service binds it
+        if self.port_chosen:
             run = self.run = dataclasses.replace(run, port=runtime.free_port())
         save_config(self.dir.config, run, self.agent_config)
         self.started = {"start_time": time.time(), "pid": os.getpid()}
@@ -142,6 +146,9 @@ class Launcher:
         self.workers.extend([replay, learner])
         exit_code = 0
         try:
+            while self.port_chosen and runtime.port_in_use(run.port):  # taken since the pick: pick again
+                run = self.run = dataclasses.replace(run, port=runtime.free_port())
+                save_config(self.dir.config, run, self.agent_config)
             if runtime.port_in_use(run.port):
                 raise PortTaken(f"port {run.port} (the replay service's, from {self.dir.config}) is "
                                 f"taken by another process; stop it, or start a new run")
@@ -166,7 +173,7 @@ class Launcher:
         write_json(self.dir.summary, summary)
         return summary
 
-    def _start_run(self, replay: Worker, learner: Worker, progress_factory: Any, start: float) -> int:
+    def _start_run(self, replay: Worker, learner: Worker, progress_factory: Any, start: float, attempt: int = 1) -> int:
         """Starts the service, the learner, then actors and evaluator; watches them; the run's exit code."""
         run = self.run
         self._start(replay)
@@ -180,6 +187,16 @@ class Launcher:
         learner.args = ["--server", server]
         self._start(learner)
         if self._wait_for(replay, "address") is None:
+            # A port the launcher picked can be taken by another process between the pick and the service's
+            # bind (free_port releases it): pick another, as a user would, instead of failing the run.
+            if (self.port_chosen and attempt < PORT_ATTEMPTS and ended(replay.process)
+                    and "Address already in use" in self._log_tail(replay)):
+                self._terminate([learner], LEARNER_RESTART_STOP_S)  # it has not connected: nothing to lose
+                self.run = dataclasses.replace(run, port=runtime.free_port())
+                save_config(self.dir.config, self.run, self.agent_config)
+                self._say(f"port {run.port} was taken before the replay service could bind it; "
+                          f"starting again on port {self.run.port}")
+                return self._start_run(replay, learner, progress_factory, start, attempt + 1)
             return 1
         self.channel.report("launcher", self.started)  # the evaluator's clock starts at the launcher's start
         joins = server
