@@ -92,15 +92,14 @@ class CsvLogger:
         if self._path.exists() and self._path.stat().st_size > 0:
             existing = _read_header(self._path)
             if existing is not None:
-                older = keep_older_header and existing != fieldnames and set(existing) <= self._fieldset
-                if older and len(set(existing)) == len(existing):
-                    self._fieldnames = tuple(existing)
-                    self.dropped_columns = tuple(name for name in fieldnames if name not in existing)
-                elif existing != fieldnames:
+                older = set(existing) <= self._fieldset and len(set(existing)) == len(existing)
+                if existing != fieldnames and not (keep_older_header and older):
                     raise ValueError(
                         f"{self._path} already has header {existing}, which differs from "
                         f"the requested {fieldnames}; use another file"
                     )
+                self._fieldnames = tuple(existing)
+                self.dropped_columns = tuple(name for name in fieldnames if name not in existing)
                 _drop_partial_last_line(self._path)
                 write_header = False
         self._file: Optional[io.TextIOWrapper] = open(
