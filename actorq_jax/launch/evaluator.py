@@ -1,5 +1,6 @@
 """The evaluator process: greedy episodes of the float policy and of the actors' quantized policy."""
 
+import logging
 import threading
 import time
 from pathlib import Path
@@ -11,6 +12,8 @@ from actorq_jax.run_dir import RunDir
 
 # Learner phases after which it publishes nothing more (a diverged learner stops without a last publication).
 FINAL_PHASES = ("final", "done", "diverged")
+
+log = logging.getLogger(__name__)
 
 
 def run_episode(env: Any, policy: Callable[[Any, Any], Any], params: Any) -> float:
@@ -40,7 +43,7 @@ def actors_view(run: Any) -> Callable[[Any], Any]:
 class Evaluator:
     """Greedy episodes of each policy (fp32, and the actors' view at actor_bits) for each new published version."""
 
-    def __init__(self, run: Any, agent_config: Any, address: str):
+    def __init__(self, run: Any, agent_config: Any, address: str, stop: Optional[Any] = None):
         from actorq_jax.environments import environment_spec, make_environment
         from actorq_jax.quantization import QuantConfig, dequantize, quantize
         from actorq_jax.replay import VariableClient, wait_for_server
@@ -53,7 +56,8 @@ class Evaluator:
         self.policies = [("fp32", 32, dequantize)]
         if run.actor_bits != 32:
             self.policies.append(("actor", run.actor_bits, actors_view(run)))
-        wait_for_server(address, timeout_s=60.0)
+        log.info("waiting for the replay service at %s", address)
+        wait_for_server(address, timeout_s=60.0, stop=stop)
         # Refreshed by hand (update_period is irrelevant): the evaluator polls for new versions. A learner that
         # restarts is away for a moment: keep the last policy and go on rather than fail (errors are logged).
         self.variables = VariableClient(address, runtime.EVAL_VARIABLES_TABLE, update_period=1,
@@ -97,9 +101,14 @@ def run_evaluator(run: Any, agent_config: Any, address: str, stop: threading.Eve
                   launcher_alive: Callable[[], bool] = lambda: True) -> None:
     """Evaluates every new float policy the learner publishes, and once more at shutdown."""
     from actorq_jax.launch.run_rows import row_log
+    from actorq_jax.replay.server import StopRequested
     from actorq_jax.telemetry import EVAL_FIELDS
 
-    evaluator = Evaluator(run, agent_config, address)
+    try:
+        evaluator = Evaluator(run, agent_config, address, stop)
+    except StopRequested:
+        log.info("stop requested before the replay service at %s answered; nothing evaluated", address)
+        return
     # Under Ray the rows also go to the launcher's process, through the replay service.
     forward_to = address if run.launcher == "ray" else None
     with row_log(RunDir(evaluator.results_dir).eval_csv, EVAL_FIELDS, forward_to) as logger:

@@ -34,7 +34,7 @@ from actorq_jax.launch.run_rows import drop_rows_after, row_log
 from actorq_jax.quantization import QuantConfig
 from actorq_jax.replay import VariablePublisher
 from actorq_jax.replay.background import BackgroundPublisher, PublishTotals
-from actorq_jax.replay.server import wait_for_server
+from actorq_jax.replay.server import StopRequested, wait_for_server
 from actorq_jax.run_dir import RunDir
 
 log = logging.getLogger(__name__)
@@ -75,10 +75,11 @@ class PendingCheckpoint(NamedTuple):
 class Learner:
     """Pulls batches from replay, applies the agent's pure `sgd_step`, publishes and checkpoints."""
 
-    def __init__(self, builder: Any, run: RunConfig, results_dir: Path, address: str):
+    def __init__(self, builder: Any, run: RunConfig, results_dir: Path, address: str, stop: Optional[Any] = None):
         self.builder = builder
         self.run = run
         self.address = address
+        self._stop = stop
         self.replay_table = builder.replay_config().name
         self.state = builder.init_state(jax.random.PRNGKey(run.seed))
         self.checkpointer = Checkpointer(RunDir(results_dir).checkpoints)
@@ -87,8 +88,10 @@ class Learner:
             restored = self.checkpointer.restore(self.state)
             if restored is not None:
                 self.state, counters = restored
-        # The launcher may start the learner beside a service that is still starting: wait as for a start.
-        self.client = wait_for_server(address, max(run.server_timeout_s, SERVICE_START_TIMEOUT_S))
+        # The launcher may start the learner beside a service that is still starting: wait as for a start, but
+        # not past a stop request (a service that never came up is why the run is stopping).
+        log.info("waiting for the replay service at %s", address)
+        self.client = wait_for_server(address, max(run.server_timeout_s, SERVICE_START_TIMEOUT_S), stop=stop)
         self.service = ServiceClient(self.client, run.server_timeout_s)
         # What the learner writes back to replay after each step (None: nothing, uniform replay); it goes on
         # from the checkpoint, and tells actors through the variables' meta where new items enter.
@@ -153,7 +156,11 @@ class Learner:
         """Waits for a service that stopped answering to come back; ServiceGone past the server timeout."""
         self._dataset = None  # its stream went with the old server
         try:
-            wait_for_server(self.address, self.run.server_timeout_s)
+            wait_for_server(self.address, self.run.server_timeout_s, stop=self._stop)
+        except StopRequested:
+            log.info("stop requested while the replay service at %s was away; stopping at step %d", self.address,
+                     self.steps)
+            return  # the main loop sees the stop; the hand-over keeps what it can without the service
         except TimeoutError as error:
             raise ServiceGone(f"replay service at {self.address} unreachable for {self.run.server_timeout_s:g} s "
                               f"(server_timeout_s); the learner stops at step {self.steps}") from error
@@ -348,7 +355,12 @@ def run_learner(run: RunConfig, agent_config: Any, address: str, stop: threading
     code (runtime.EXIT_DIVERGED when a loss or parameter stopped being finite)."""
     results_dir = RunDir(run.results_dir)
     spec = environment_spec(make_environment(run.task, seed=run.seed))
-    learner = Learner(runtime.make_builder(run.agent, agent_config, spec), run, results_dir.root, address)
+    try:
+        learner = Learner(runtime.make_builder(run.agent, agent_config, spec), run, results_dir.root, address, stop)
+    except StopRequested:
+        # Nothing was learned, published or checkpointed yet: there is nothing to hand over.
+        log.info("stop requested before the replay service at %s answered; no step taken", address)
+        return 0
     drop_rows_after(results_dir.learner_csv, learner.steps)
     start = time.monotonic()
     csv_log = LearnerLog(results_dir.learner_csv, start, learner.steps,

@@ -6,7 +6,7 @@ import math
 import shutil
 import time
 from pathlib import Path
-from typing import Dict, Iterable, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
 
 import reverb
 
@@ -29,10 +29,15 @@ def parse_address(address: str) -> Tuple[str, int]:
     return host, int(port_text)
 
 
-def wait_for_server(address: str, timeout_s: float = 30.0) -> reverb.Client:
+class StopRequested(Exception):
+    """A stop was requested while waiting for a server (the waiter gives up without an error of its own)."""
+
+
+def wait_for_server(address: str, timeout_s: float = 30.0, stop: Optional[Any] = None) -> reverb.Client:
     """A client of the Reverb server at address, once it answers; TimeoutError if none within timeout_s.
 
-    Reverb's deadlines are whole seconds, so a dead address fails after at most timeout_s + 1 s.
+    Reverb's deadlines are whole seconds, so a dead address fails after at most timeout_s + 1 s. `stop`
+    (anything with `is_set()`, e.g. a threading.Event) ends the wait early with StopRequested.
     """
     parse_address(address)
     if not timeout_s > 0:
@@ -41,6 +46,8 @@ def wait_for_server(address: str, timeout_s: float = 30.0) -> reverb.Client:
     deadline = time.monotonic() + timeout_s
     last_error: Optional[BaseException] = None
     while True:
+        if stop is not None and stop.is_set():
+            raise StopRequested(f"stop requested while waiting for the Reverb server at {address}")
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             break
