@@ -103,6 +103,34 @@ def test_budget_run_leaves_a_complete_results_directory(tmp_path):
 
 
 @pytest.mark.process
+@pytest.mark.timeout(400)
+def test_a_run_given_a_target_return_stops_at_the_first_evaluation_that_reaches_it(tmp_path):
+    d = tmp_path / "run"
+    # cartpole_balance pays up to 1 per step, so any trained policy's episode returns more than 1: the run stops
+    # at its first evaluation after an SGD step, long before the budget.
+    proc = subprocess.run([sys.executable, "experiments/run_d4pg.py", *TINY, "--num_actors", "1", "--actor_bits", "32",
+                           "--eval_episodes", "2", "--stop_at_return", "1", "--max_seconds", "3000",
+                           "--results_dir", str(d)],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=360)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    summary = json.loads((d / "summary.json").read_text())
+    reached = [e for e in summary["events"] if e.startswith("target return reached")]
+    assert len(reached) == 1, summary["events"]
+    assert not any("budget reached" in e for e in summary["events"]), summary["events"]
+    # The evaluation it names is the first complete fp32 one after an SGD step whose mean is >= 1.
+    evals = [r for r in _rows(d / "eval.csv") if r["policy"] == "fp32" and r["final"] == 0 and r["learner_steps"] >= 1]
+    by_step = {}
+    for r in evals:
+        by_step.setdefault(r["learner_steps"], []).append(r["return"])
+    first = min(step for step, returns in by_step.items() if len(returns) == 2 and sum(returns) / 2 >= 1)
+    assert f"at learner step {first:,d} returned {sum(by_step[first]) / 2:.1f} >= 1 " in reached[0], reached[0]
+    # The stop is an ordinary one: a final evaluation and checkpoint follow it.
+    assert any(r["final"] == 1 for r in _rows(d / "eval.csv"))
+    assert summary["wall_seconds"] < 3000 and summary["exit_code"] == 0
+    assert json.loads((d / "config.json").read_text())["run"]["stop_at_return"] == 1.0
+
+
+@pytest.mark.process
 @pytest.mark.timeout(300)
 def test_killed_actor_is_restarted_then_sigterm_stops_the_run_cleanly_without_orphans(tmp_path):
     results = tmp_path / "run"
@@ -192,6 +220,7 @@ def test_remote_actor_contributes_transitions(tmp_path):
         (["--granularity", "per_row"], "--granularity"),
         (["--actor_backend", "fp32", "--actor_bits", "8"], "--actor_backend"),
         (["--country", "XXX"], "--country: unknown country code 'XXX'; codecarbon knows ISO 3166-1 alpha-3"),
+        (["--stop_at_return", "nan"], "--stop_at_return: must be a finite return, got nan"),
     ],
 )
 def test_bad_flags_exit_2_naming_the_flag(flags, named, tmp_path, capsys):

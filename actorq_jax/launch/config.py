@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any, List, Optional, Tuple
 
@@ -46,6 +47,9 @@ class RunConfig:
     max_env_steps: Optional[int] = documented(None, "budget: total env steps of all actors")
     max_learner_steps: Optional[int] = documented(None, "budget: learner SGD steps")
     max_seconds: Optional[float] = documented(None, "budget: wall-clock seconds")
+    stop_at_return: Optional[float] = documented(
+        None, "stop once an evaluation of the fp32 policy (after at least one SGD step) has a mean return at or above "
+              "this; the final evaluation and checkpoint follow as at any stop")
     eval_period: int = documented(1000, "learner steps between evaluations")
     eval_episodes: int = documented(1, "greedy episodes per evaluation and policy")
     checkpoint_period: int = documented(5000, "learner steps between checkpoints")
@@ -161,6 +165,8 @@ def run_config_problems(run: Any) -> List[Tuple[str, str]]:
         value = getattr(run, name)
         if value is not None and not value > 0:
             problems.append((name, f"must be > 0, got {value}"))
+    if run.stop_at_return is not None and not math.isfinite(run.stop_at_return):
+        problems.append(("stop_at_return", f"must be a finite return, got {run.stop_at_return}"))
     return problems
 
 

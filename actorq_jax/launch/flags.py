@@ -165,7 +165,7 @@ def _resume(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Seq
         parser.error(f"--resume: {path}: {error}")
     # Budgets may be raised when resuming, and a cluster's address changes between sessions;
     # everything else stays as the run was configured.
-    overrides = {k: getattr(args, k) for k in BUDGETS if getattr(args, k) is not None}
+    overrides = {k: getattr(args, k) for k in (*BUDGETS, "stop_at_return") if getattr(args, k) is not None}
     if args.ray_address:
         overrides["ray_address"] = args.ray_address
     agent_overrides = {k: getattr(args, k) for k in resumable_agent_fields(type(agent_config)) if _given(argv, k)}

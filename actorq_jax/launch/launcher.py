@@ -237,6 +237,7 @@ class Launcher:
         last_steps, last_time = 0, time.monotonic()
         rate = 0.0
         seen_steps, seen_at = -1, time.monotonic()
+        target = ReturnTarget(self.dir.eval_csv, run.stop_at_return, run.eval_episodes)
         actors = [w for w in self.workers if w.role == "actor"]
         while not self.stop.wait(0.25):
             self.cpu.sample(self.workers)
@@ -280,6 +281,12 @@ class Launcher:
                 return 0
             if run.max_seconds is not None and elapsed >= run.max_seconds:
                 self._say(f"wall-clock budget reached ({elapsed:.0f} s)")
+                return 0
+            reach = target.reached()
+            if reach is not None:
+                self._say(f"target return reached: the fp32 policy's evaluation at learner step "
+                          f"{reach.learner_steps:,.0f} returned {reach.eval_return:.1f} >= {run.stop_at_return:g} "
+                          f"({reach.wall_seconds:.0f} s, {reach.env_steps:,.0f} env steps)")
                 return 0
         self._say(f"{STOP_EVENT}; shutting down")
         return 0
@@ -430,6 +437,40 @@ class Launcher:
         for role in ("learner", "replay"):
             summary[f"{role}_restarts"] = next((w.restarts for w in self.workers if w.role == role), 0)
         return summary
+
+
+class ReturnTarget:
+    """Watches eval.csv for the first complete fp32 evaluation whose mean return reaches `--stop_at_return`."""
+
+    def __init__(self, path: Path, target: Optional[float], episodes: int):
+        self.path = path
+        self.target = target
+        self.episodes = episodes
+        self._size = -1
+
+    def reached(self) -> Optional[Any]:
+        """The evaluation that reached the target (a TargetReach), or None (none yet, or no target)."""
+        if self.target is None:
+            return None
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            return None
+        if size == self._size:  # nothing new evaluated since the last look
+            return None
+        self._size = size
+        import pandas as pd
+
+        from actorq_jax.analysis.aggregate import time_to_target
+
+        frame = pd.DataFrame(_read_rows(self.path))
+        if frame.empty or "policy" not in frame.columns:
+            return None
+        fp32 = frame[frame["policy"] == "fp32"]
+        # An evaluation whose rows are still being written is not judged on its first episodes alone.
+        rows = fp32.groupby(["learner_steps", "final"])["return"].transform("size")
+        reach = time_to_target(fp32[rows >= self.episodes], self.target)
+        return reach if reach.reached else None
 
 
 class PortTaken(RuntimeError):
