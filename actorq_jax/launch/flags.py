@@ -103,6 +103,8 @@ def country_problem(country: str) -> Optional[str]:
 def task_problem(entry: Any, task: str) -> Optional[str]:
     """Why agent `entry` cannot act in `task` (None when it can): it cannot start here, or its actions are of
     the other kind."""
+    import numpy as np
+
     from actorq_jax.environments import environment_spec, make_environment
 
     env = make_environment(task, seed=0)
@@ -118,6 +120,12 @@ def task_problem(entry: Any, task: str) -> Optional[str]:
     spec = environment_spec(env)
     kind = "discrete" if spec.discrete else "continuous"
     if kind == entry.actions:
+        if kind == "continuous" and not (np.all(np.isfinite(spec.action_minimum))
+                                         and np.all(np.isfinite(spec.action_maximum))):
+            # The policy squashes its output into the action bounds: infinite ones give NaN actions, and the
+            # learner diverges at its first step.
+            return (f"{task} has unbounded actions (minimum {spec.action_minimum.tolist()}, maximum "
+                    f"{spec.action_maximum.tolist()}); {entry.name} needs finite action bounds")
         return None
     size = f"{spec.num_actions} discrete actions" if spec.discrete else f"{spec.action_dim} continuous action(s)"
     return (f"{task} has {size}; {entry.name} needs a task with {entry.actions} actions "
