@@ -221,7 +221,7 @@ def test_remote_actor_contributes_transitions(tmp_path):
         (["--actor_backend", "fp32", "--actor_bits", "8"], "--actor_backend"),
         (["--country", "XXX"], "--country: unknown country code 'XXX'; codecarbon knows ISO 3166-1 alpha-3"),
         (["--stop_at_return", "nan"], "--stop_at_return: must be a finite return, got nan"),
-        (["--task", "lqr_lqr_2_1"], "--task: lqr_lqr_2_1 has unbounded actions (minimum [-inf], maximum [inf]); "
+        (["--task", "lqr_lqr_2_1"], "--task: lqr_lqr_2_1 has unbounded actions (minimum -1e+10, maximum 1e+10); "
                                     "d4pg needs finite action bounds"),
     ],
 )

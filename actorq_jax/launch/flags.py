@@ -100,6 +100,10 @@ def country_problem(country: str) -> Optional[str]:
             "GBR, CAN, IND, CHN")
 
 
+# MuJoCo's mjMAXVAL: dm_control reports an actuator without a control range (LQR's) as +-1e10.
+UNBOUNDED_ACTION = 1e10
+
+
 def task_problem(entry: Any, task: str) -> Optional[str]:
     """Why agent `entry` cannot act in `task` (None when it can): it cannot start here, or its actions are of
     the other kind."""
@@ -120,12 +124,14 @@ def task_problem(entry: Any, task: str) -> Optional[str]:
     spec = environment_spec(env)
     kind = "discrete" if spec.discrete else "continuous"
     if kind == entry.actions:
-        if kind == "continuous" and not (np.all(np.isfinite(spec.action_minimum))
-                                         and np.all(np.isfinite(spec.action_maximum))):
-            # The policy squashes its output into the action bounds: infinite ones give NaN actions, and the
-            # learner diverges at its first step.
-            return (f"{task} has unbounded actions (minimum {spec.action_minimum.tolist()}, maximum "
-                    f"{spec.action_maximum.tolist()}); {entry.name} needs finite action bounds")
+        bounds = np.abs(np.concatenate([np.ravel(spec.action_minimum), np.ravel(spec.action_maximum)]))
+        if kind == "continuous" and not np.all(bounds < UNBOUNDED_ACTION):
+            # The policy squashes its output into the action bounds: with these its first actions are ~1e6 and
+            # the physics, then the learner, diverge.
+            shown = {name: " ".join(f"{v:g}" for v in np.ravel(values))
+                     for name, values in (("minimum", spec.action_minimum), ("maximum", spec.action_maximum))}
+            return (f"{task} has unbounded actions (minimum {shown['minimum']}, maximum {shown['maximum']}); "
+                    f"{entry.name} needs finite action bounds")
         return None
     size = f"{spec.num_actions} discrete actions" if spec.discrete else f"{spec.action_dim} continuous action(s)"
     return (f"{task} has {size}; {entry.name} needs a task with {entry.actions} actions "
