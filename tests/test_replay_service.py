@@ -10,7 +10,7 @@ import time
 import numpy as np
 import psutil
 import pytest
-from launch_support import TINY, start_run, status, stop_all, wait_for, worker_process
+from launch_support import TINY, rows, start_run, status, stop_all, wait_for, worker_process
 from service_support import dqn_service_learner_actor
 
 from actorq_jax.launch.checkpoint import read_counters
@@ -277,6 +277,36 @@ def test_killed_service_comes_back_on_its_port_with_its_items_and_nobody_else_re
     summary = json.loads((results / "summary.json").read_text())
     assert summary["replay_restarts"] == 1 and summary["learner_restarts"] == 0, output
     assert "replay service back on port" in output
+
+
+@pytest.mark.process
+@pytest.mark.timeout(300)
+def test_a_service_that_stalls_for_seconds_costs_the_actor_no_episode(tmp_path):
+    # A replay checkpoint of a large table stops the service answering for seconds; SIGSTOP does the same.
+    results = tmp_path / "run"
+    proc = start_run(results, *TINY, "--num_actors", "1", "--max_seconds", "200")
+    actor_csv, actor_log = results / "actors" / "actor_0.csv", results / "logs" / "actor_0.log"
+    try:
+        launcher = psutil.Process(proc.pid)
+        wait_for(lambda: rows(actor_csv), 150, "actor 0's first episode", proc)
+        actor = worker_process(launcher, "actor", 0)
+        service = status(results, "replay")
+        os.kill(service["pid"], signal.SIGSTOP)
+        try:
+            wait_for(lambda: "does not answer" in actor_log.read_text(), 60, "the actor noticing the stall", proc)
+            time.sleep(2.0)
+        finally:
+            os.kill(service["pid"], signal.SIGCONT)
+        wait_for(lambda: "answers again and took our items" in actor_log.read_text(), 60, "the actor going on", proc)
+        episodes = len(rows(actor_csv))
+        wait_for(lambda: len(rows(actor_csv)) >= episodes + 2, 120, "episodes after the stall", proc)
+        assert worker_process(launcher, "actor", 0).pid == actor.pid  # the same process went on
+    finally:
+        output = _finish(proc) if proc.poll() is None else proc.communicate()[0]
+        stop_all(proc)
+    assert "reconnecting" not in actor_log.read_text(), actor_log.read_text()[-3000:]
+    # No episode was abandoned: every row is a whole cartpole_balance episode, the one across the stall included.
+    assert {r["episode_length"] for r in rows(actor_csv)} == {1000}, output[-2000:]
 
 
 @pytest.mark.parametrize("flag, learner", [("auto", None), ("cpu", "cpu"), ("gpu", "cuda")])

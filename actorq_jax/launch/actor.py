@@ -203,6 +203,14 @@ class Actor:
                 silent_since = time.monotonic() - WAIT_SLICE_S
         if not self.link.wait(since=silent_since):
             return False  # stopped while waiting
+        if wait_for_writes and self._confirmed(adder):
+            # It answers and took the items written before it went quiet: the stream held, so the episodes go on.
+            # A service that checkpoints a large table stops answering for seconds; a restarted one whose writer
+            # stream reconnected lands here too, and its variables table may count inserts from an older figure.
+            log.info("replay service at %s answers again and took our items; going on (params version %s)",
+                     self.address, self.variables.version)
+            self.variables.reconnect()
+            return True
         if self.link.outages > outages:
             log.info("replay service at %s answers again; reconnecting (params version %s)", self.address,
                      self.variables.version)
@@ -211,6 +219,17 @@ class Actor:
         self.adders = [self._new_adder() for _ in range(len(self.envs))]
         self.abandoned += 1
         return False
+
+    def _confirmed(self, adder: Any) -> bool:
+        """Whether the server confirms `adder`'s items in flight within a wait slice."""
+        from actorq_jax.replay import WriteTimeout
+
+        try:
+            adder.wait(WAIT_SLICE_S)
+            return True
+        except (WriteTimeout, RuntimeError, ConnectionError) as error:
+            log.info("items in flight to %s not confirmed after it answered again: %s", self.address, error)
+            return False
 
     def _close_adders(self, flush: bool = True) -> None:
         from actorq_jax.replay import WriteTimeout
