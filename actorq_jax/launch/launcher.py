@@ -237,7 +237,7 @@ class Launcher:
         last_steps, last_time = 0, time.monotonic()
         rate = 0.0
         seen_steps, seen_at = -1, time.monotonic()
-        target = ReturnTarget(self.dir.eval_csv, run.stop_at_return, run.eval_episodes)
+        evals = EvalWatch(self.dir.eval_csv, run.stop_at_return, run.eval_episodes)
         actors = [w for w in self.workers if w.role == "actor"]
         while not self.stop.wait(0.25):
             self.cpu.sample(self.workers)
@@ -270,9 +270,10 @@ class Launcher:
             if now - last_time >= 2.0:
                 rate = (env_steps - last_steps) / (now - last_time)
                 last_steps, last_time = env_steps, now
+            evals.poll()
             progress.update(
                 f"{elapsed:7.0f}s  env steps {env_steps:>9,d} ({rate:7.0f}/s)  learner steps {learner_steps:>7,d}"
-                f"  eval return {self._last_eval()}"
+                f"  eval return {evals.last_return()}"
             )
             if run.max_env_steps is not None and env_steps >= run.max_env_steps:
                 self._say(f"env step budget reached ({env_steps:,d} >= {run.max_env_steps:,d})")
@@ -282,7 +283,7 @@ class Launcher:
             if run.max_seconds is not None and elapsed >= run.max_seconds:
                 self._say(f"wall-clock budget reached ({elapsed:.0f} s)")
                 return 0
-            reach = target.reached()
+            reach = evals.reach
             if reach is not None:
                 self._say(f"target return reached: the fp32 policy's evaluation at learner step "
                           f"{reach.learner_steps:,.0f} returned {reach.eval_return:.1f} >= {run.stop_at_return:g} "
@@ -331,11 +332,6 @@ class Launcher:
             self._say(f"learner back at step {restored.get('learner_steps', 0)} with {restored.get('items', 0)} "
                       f"replay items in the live table")
         return True
-
-    def _last_eval(self) -> str:
-        rows = _read_rows(self.dir.eval_csv)
-        rows = [r for r in rows if r.get("policy") == "fp32"]
-        return f"{float(rows[-1]['return']):.1f}" if rows else "-"
 
     def _shutdown(self, replay: Worker, learner: Worker) -> None:
         evaluators = [w for w in self.workers if w.role == "evaluator"]
@@ -439,38 +435,48 @@ class Launcher:
         return summary
 
 
-class ReturnTarget:
-    """Watches eval.csv for the first complete fp32 evaluation whose mean return reaches `--stop_at_return`."""
+class EvalWatch:
+    """The run's fp32 evaluations as eval.csv grows, reading only its new rows: the last return for the progress
+    line, and the first complete evaluation whose mean return reaches `--stop_at_return`."""
 
     def __init__(self, path: Path, target: Optional[float], episodes: int):
+        from actorq_jax.telemetry.tensorboard import CsvFollower
+
         self.path = path
         self.target = target
         self.episodes = episodes
-        self._size = -1
+        self.reach: Optional[Any] = None  # the TargetReach once an evaluation reached the target
+        self._follower = CsvFollower(path)
+        self._size = 0
+        self._fp32: List[Dict[str, Any]] = []
 
-    def reached(self) -> Optional[Any]:
-        """The evaluation that reached the target (a TargetReach), or None (none yet, or no target)."""
-        if self.target is None:
-            return None
+    def poll(self) -> None:
+        """Takes in the rows evaluated since the last poll."""
         try:
             size = self.path.stat().st_size
         except FileNotFoundError:
-            return None
-        if size == self._size:  # nothing new evaluated since the last look
-            return None
+            return
+        if size < self._size:  # rewritten: the follower starts over from its first row
+            self._fp32 = []
         self._size = size
-        import pandas as pd
+        fresh = [r for r in self._follower.new_rows() if r.get("policy") == "fp32"]
+        if not fresh:
+            return
+        self._fp32.extend(fresh)
+        if self.target is not None and self.reach is None:
+            import pandas as pd
 
-        from actorq_jax.analysis.aggregate import time_to_target
+            from actorq_jax.analysis.aggregate import time_to_target
 
-        frame = pd.DataFrame(_read_rows(self.path))
-        if frame.empty or "policy" not in frame.columns:
-            return None
-        fp32 = frame[frame["policy"] == "fp32"]
-        # An evaluation whose rows are still being written is not judged on its first episodes alone.
-        rows = fp32.groupby(["learner_steps", "final"])["return"].transform("size")
-        reach = time_to_target(fp32[rows >= self.episodes], self.target)
-        return reach if reach.reached else None
+            frame = pd.DataFrame(self._fp32)
+            # An evaluation whose rows are still being written is not judged on its first episodes alone.
+            rows = frame.groupby(["learner_steps", "final"])["return"].transform("size")
+            reach = time_to_target(frame[rows >= self.episodes], self.target)
+            self.reach = reach if reach.reached else None
+
+    def last_return(self) -> str:
+        """The last fp32 evaluation episode's return, for the progress line ("-" before the first)."""
+        return f"{float(self._fp32[-1]['return']):.1f}" if self._fp32 else "-"
 
 
 class PortTaken(RuntimeError):
