@@ -328,3 +328,31 @@ def test_a_picked_port_taken_before_the_service_binds_it_is_picked_again(tmp_pat
     assert len(moved) == 1, summary["events"]
     port = json.loads((d / "config.json").read_text())["run"]["port"]
     assert f"starting again on port {port}" in moved[0]  # the config names the port the run used
+
+
+def test_the_eval_watch_judges_only_complete_evaluations_after_an_sgd_step(tmp_path):
+    from actorq_jax.launch.launcher import EvalWatch
+
+    path = tmp_path / "eval.csv"
+    header = "wall_seconds,env_steps,learner_steps,policy,bits,episode,return,final\n"
+    watch = EvalWatch(path, 500.0, episodes=2)
+    watch.poll()  # no file yet
+    assert watch.last_return() == "-" and watch.reach is None
+    # The untrained policy's evaluation never counts; the second evaluation has one of its two episodes in.
+    path.write_text(header + "1.0,0,0,fp32,32,0,900.0,0\n1.5,0,0,fp32,32,1,900.0,0\n"
+                    "5.0,4000,100,fp32,32,0,800.0,0\n")
+    watch.poll()
+    assert watch.last_return() == "800.0" and watch.reach is None
+    with open(path, "a") as f:  # its second episode: mean 450, below the target; the actors' policy row is not fp32
+        f.write("5.5,4000,100,fp32,32,1,100.0,0\n5.7,4000,100,actor,8,0,990.0,0\n9.0,8000,200,fp32,32,0,600.0,0\n")
+    watch.poll()
+    assert watch.last_return() == "600.0" and watch.reach is None
+    with open(path, "a") as f:
+        f.write("9.5,8000,200,fp32,32,1,400.0,0\n")
+    watch.poll()
+    # An evaluation's time is its last episode's.
+    assert (watch.reach.learner_steps, watch.reach.wall_seconds, watch.reach.eval_return) == (200, 9.5, 500.0)
+    # Without a target the watch only follows the returns.
+    plain = EvalWatch(path, None, episodes=2)
+    plain.poll()
+    assert plain.last_return() == "400.0" and plain.reach is None
