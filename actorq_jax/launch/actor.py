@@ -205,8 +205,9 @@ class Actor:
             return False  # stopped while waiting
         if wait_for_writes and self._confirmed(adder):
             # It answers and took the items written before it went quiet: the stream held, so the episodes go on.
-            # A service that checkpoints a large table stops answering for seconds; a restarted one whose writer
-            # stream reconnected lands here too, and its variables table may count inserts from an older figure.
+            # A service that checkpoints a large table stops answering for seconds. A restarted one may land here
+            # too (if Reverb's writer re-sent the items to it), and its variables table may count inserts from an
+            # older figure: the variable client starts afresh either way.
             log.info("replay service at %s answers again and took our items; going on (params version %s)",
                      self.address, self.variables.version)
             self.variables.reconnect()
