@@ -124,8 +124,8 @@ def task_problem(entry: Any, task: str) -> Optional[str]:
     spec = environment_spec(env)
     kind = "discrete" if spec.discrete else "continuous"
     if kind == entry.actions:
-        bounds = np.abs(np.concatenate([np.ravel(spec.action_minimum), np.ravel(spec.action_maximum)]))
-        if kind == "continuous" and not np.all(bounds < UNBOUNDED_ACTION):
+        if kind == "continuous" and not (np.all(np.abs(spec.action_minimum) < UNBOUNDED_ACTION)
+                                         and np.all(np.abs(spec.action_maximum) < UNBOUNDED_ACTION)):
             # The policy squashes its output into the action bounds: with these its first actions are ~1e6 and
             # the physics, then the learner, diverge.
             shown = {name: " ".join(f"{v:g}" for v in np.ravel(values))
