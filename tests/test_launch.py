@@ -65,7 +65,7 @@ def test_budget_run_leaves_a_complete_results_directory(tmp_path):
     assert summary["energy_kwh"] > 0 and summary["emissions_kg"] > 0
     # Where the run's CPU went, per process: the replay service's as well as the learner's and the actor's.
     assert set(summary["worker_cpu_s"]) == {"replay", "learner", "actor_0", "evaluator"}
-    assert all(seconds > 0.5 for seconds in summary["worker_cpu_s"].values()), summary["worker_cpu_s"]
+    assert all(seconds > 0.1 for seconds in summary["worker_cpu_s"].values()), summary["worker_cpu_s"]
     # And the cores each could use (the shared layout: all of this process's), which tell who shared a core.
     every = sorted(os.sched_getaffinity(0))
     assert summary["worker_cores"] == {name: every for name in summary["worker_cpu_s"]}

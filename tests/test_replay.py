@@ -115,8 +115,8 @@ def table_size(client: reverb.Client, table: str) -> int:
 
 @pytest.mark.process
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("n", [1, 3, 5])
-def test_adder_matches_brute_force_n_step(n):
+@pytest.mark.parametrize("n, chunk_length", [(1, 1), (3, 1), (5, 1), (1, 4), (3, 4), (5, 16)])
+def test_adder_matches_brute_force_n_step(n, chunk_length):
     rng = np.random.default_rng(n)
     # Lengths shorter than, equal to and longer than n; terminal and truncated endings.
     shapes = [(1, True), (2, False), (n, True), (n + 1, False), (7, True), (7, False),
@@ -125,7 +125,7 @@ def test_adder_matches_brute_force_n_step(n):
     expected = [tr for episode in episodes for tr in brute_force(episode, n, GAMMA)]
     with queue_server() as server:
         client = wait_for_server(server.address, 10)
-        with NStepAdder(client, "q", n_step=n, discount=GAMMA) as adder:
+        with NStepAdder(client, "q", n_step=n, discount=GAMMA, chunk_length=chunk_length) as adder:
             for episode in episodes:
                 feed(adder, episode)
             assert adder.items_written == len(expected) == sum(length for length, _ in shapes)
@@ -156,14 +156,15 @@ def test_adder_terminal_cuts_bootstrap_truncation_keeps_it():
 
 @pytest.mark.process
 @pytest.mark.timeout(60)
-def test_adder_discrete_actions_and_reset_drops_unfinished_steps():
+@pytest.mark.parametrize("chunk_length", [1, 2, 8])
+def test_adder_discrete_actions_and_reset_drops_unfinished_steps(chunk_length):
     rng = np.random.default_rng(3)
     broken = random_episode(rng, 6, terminal=False, discrete=True)
     whole = random_episode(rng, 4, terminal=True, discrete=True)
     n = 3
     with queue_server(action_example=np.int32(0)) as server:
         client = wait_for_server(server.address, 10)
-        with NStepAdder(client, "q", n_step=n, discount=GAMMA) as adder:
+        with NStepAdder(client, "q", n_step=n, discount=GAMMA, chunk_length=chunk_length) as adder:
             obs, actions, rewards, discounts = broken
             adder.add_first(dm_env.restart(obs[0]))
             for t in range(5):  # 5 of 6 steps, then the actor abandons the episode
@@ -182,11 +183,42 @@ def test_adder_discrete_actions_and_reset_drops_unfinished_steps():
 
 @pytest.mark.process
 @pytest.mark.timeout(60)
+def test_adder_sends_items_a_chunk_at_a_time_and_wait_sends_the_rest():
+    rng = np.random.default_rng(11)
+    episode = random_episode(rng, 30, terminal=True)
+    obs, actions, rewards, discounts = episode
+    with queue_server() as server:
+        client = wait_for_server(server.address, 10)
+        with NStepAdder(client, "q", n_step=1, discount=GAMMA, chunk_length=8, max_in_flight_items=0) as adder:
+            adder.add_first(dm_env.restart(obs[0]))
+
+            def step(t):
+                last = t == len(actions) - 1
+                adder.add(actions[t], (dm_env.termination if last else dm_env.transition)(rewards[t], obs[t + 1]))
+
+            for t in range(9):  # items 0..7 are complete once o_8 is written (with a_8): one group
+                step(t)
+            assert adder.items_written == 8
+            for t in range(9, 12):  # items 8..10 complete, queued for the next group
+                step(t)
+            assert adder.items_written == 8
+            adder.wait()  # sends the queued items too, and waits for all (max_in_flight_items=0)
+            assert (adder.items_written, table_size(client, "q")) == (11, 11)
+            for t in range(12, len(actions)):
+                step(t)
+            assert adder.items_written == len(actions)
+        assert_transitions(read_all(server.address, "q", len(actions)), brute_force(episode, 1, GAMMA))
+
+
+@pytest.mark.process
+@pytest.mark.timeout(60)
 def test_adder_rejects_bad_input_clearly():
     with queue_server() as server:
         client = wait_for_server(server.address, 10)
         with pytest.raises(ValueError, match="n_step"):
             NStepAdder(client, "q", n_step=0, discount=GAMMA)
+        with pytest.raises(ValueError, match="chunk_length=0"):
+            NStepAdder(client, "q", n_step=1, discount=GAMMA, chunk_length=0)
         with pytest.raises(ValueError, match="'nope' not found"):
             NStepAdder(client, "nope", n_step=1, discount=GAMMA)
         adder = NStepAdder(client, "q", n_step=1, discount=GAMMA)

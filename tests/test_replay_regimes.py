@@ -154,7 +154,9 @@ def test_an_episode_whose_items_the_limiter_held_past_the_timeout_leaves_the_nex
     table = dataclasses.replace(builder.replay_config(), error_tolerance=2.0)
     action = np.zeros_like(builder.example_action())
     with ReplayServer([make_replay_table(table, np.zeros(OBS_DIM, np.float32), builder.example_action())]) as server:
-        adder = NStepAdder(server.client(), "replay", n_step=2, discount=0.9, max_in_flight_items=1000, timeout_s=0.5)
+        # One item per step (chunk_length=1): the new episode's first item is created, its references resolved, at once.
+        adder = NStepAdder(server.client(), "replay", n_step=2, discount=0.9, max_in_flight_items=1000, timeout_s=0.5,
+                           chunk_length=1)
         with pytest.raises(WriteTimeout):
             adder.add_first(_timestep(0, 0.0))
             for t in range(1, 40):  # the limiter holds the items; the episode's end waits past the timeout

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Any, Callable, Deque, Dict, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import numpy as np
 import reverb
@@ -49,6 +49,11 @@ class NStepAdder:
     `reset()` abandons an unfinished episode: items already created are still sent,
     the last (< n) steps whose n-step return is unknown are dropped.
 
+    Items are created `chunk_length` at a time (and whenever the adder flushes or an episode ends),
+    so Reverb sends each column's data for those steps as one chunk: a replay service then stores,
+    checkpoints and streams one chunk per column per `chunk_length` steps instead of one per step.
+    An item reaches the server at most `chunk_length - 1` env steps later than it could.
+
     Every `max_in_flight_items / 2` items (every item when that is 0 or 1), `add` waits
     until at most `max_in_flight_items` await the server: it blocks while the table's
     rate limiter refuses inserts (the learner is behind). With `timeout_s`, no call
@@ -58,7 +63,10 @@ class NStepAdder:
 
     def __init__(self, client: reverb.Client, table: str, n_step: int, discount: float,
                  priority: float = 1.0, max_in_flight_items: int = 16,
-                 connect_timeout_s: float = 30.0, timeout_s: Optional[float] = None):
+                 connect_timeout_s: float = 30.0, timeout_s: Optional[float] = None,
+                 chunk_length: int = 16):
+        if isinstance(chunk_length, bool) or not isinstance(chunk_length, int) or chunk_length < 1:
+            raise ValueError(f"chunk_length must be an int >= 1, got chunk_length={chunk_length!r}")
         if isinstance(n_step, bool) or not isinstance(n_step, int) or n_step < 1:
             raise ValueError(f"n_step must be an int >= 1, got n_step={n_step!r}")
         if not 0.0 <= discount <= 1.0:
@@ -78,9 +86,13 @@ class NStepAdder:
         self._priority = float(priority)
         self._max_in_flight = int(max_in_flight_items)
         self._specs = _table_specs(client, table, connect_timeout_s)
-        # The farthest an item reaches back: o_t is n steps before o_{t+n}, plus up to
-        # n-1 extra per-item steps appended at the end of an episode.
-        self._writer = client.trajectory_writer(num_keep_alive_refs=2 * n_step + 2)
+        self._chunk_length = chunk_length
+        # The farthest an item reaches back: o_t is n steps before o_{t+n}, plus up to n-1 extra per-item
+        # steps appended at the end of an episode, plus the chunk_length - 1 steps an item may wait.
+        # Items are checked against the table's signature here (_cast), not again by the writer.
+        self._keep_alive = 2 * n_step + 1 + chunk_length
+        self._writer = client.trajectory_writer(num_keep_alive_refs=self._keep_alive, validate_items=False)
+        self._configured: set = set()
         self._columns: Optional[Tuple[Any, ...]] = None
         # Waiting for the server every step costs a round trip per step; every few items bounds the
         # items in flight just as well (at most max_in_flight_items + flush_every).
@@ -110,6 +122,7 @@ class NStepAdder:
     def wait(self, timeout_s: Optional[float] = None) -> None:
         """Blocks until at most `max_in_flight_items` items await the server (WriteTimeout past `timeout_s`,
         default the adder's timeout_s)."""
+        self._send_queued()
         self._flush(self._max_in_flight, timeout_s)
 
     def add_first(self, timestep: Any) -> None:
@@ -149,8 +162,8 @@ class NStepAdder:
             # The last min(n, T) - 1 (or, for T < n, all T) steps have no o_{t+n}:
             # each gets a step of its own holding its m-step reward/discount.
             for t in range(max(t_last - self._n + 1, 0), t_last):
-                self._writer.append(self._item_values(t, t_last))
-                self._create_item(t, t_last, priority)
+                self._append(self._item_values(t, t_last))
+                self._queue_item(t, t_last, priority)
             try:
                 self._end_episode()
             finally:
@@ -194,6 +207,9 @@ class NStepAdder:
         self._in_episode = False
         self._pending: Optional[np.ndarray] = None  # o_t, written with a_t
         self._t = 0  # episode index of the pending observation (= its writer step)
+        self._appended = 0  # writer steps of this episode (the episode's end adds steps without an observation)
+        # Complete items not yet handed to the writer: (t, t_next, writer step of their reward, priority).
+        self._queued: List[Tuple[int, int, int, float]] = []
         # r_{k+1}, d_{k+1} of the last n env transitions.
         self._rewards: Deque[float] = collections.deque(maxlen=self._n)
         self._discounts: Deque[float] = collections.deque(maxlen=self._n)
@@ -206,14 +222,38 @@ class NStepAdder:
             step["action"] = action
         if first >= 0:
             step.update(self._item_values(first, t))
-        self._writer.append(step)
+        self._append(step)
         self._pending = None
         self._t += 1
         if first >= 0:
-            self._create_item(first, t, priority)
+            self._queue_item(first, t, priority)
+
+    def _append(self, step: Dict[str, np.ndarray]) -> None:
+        self._writer.append(step)
+        self._appended += 1
+        if self._chunk_length > 1:
+            for name in step:
+                if name not in self._configured:
+                    # Reverb's auto-tuned chunks stay one step long here; a fixed length lets a group share one.
+                    self._writer.configure((name,), num_keep_alive_refs=self._keep_alive,
+                                           max_chunk_length=self._chunk_length)
+                    self._configured.add(name)
+
+    def _queue_item(self, t: int, t_next: int, priority: float) -> None:
+        """Queues the item from o_t to o_{t_next} whose reward and discount the last writer step holds."""
+        self._queued.append((t, t_next, self._appended - 1, priority))
+        if len(self._queued) >= self._chunk_length:
+            self._send_queued()
+
+    def _send_queued(self) -> None:
+        """Hands every queued item to the writer (its data goes out as one chunk per column)."""
+        queued, self._queued = self._queued, []
+        for t, t_next, value_step, priority in queued:
+            self._create_item(t, t_next, value_step, priority)
 
     def _end_episode(self, timeout_s: Optional[float] = None) -> None:
         timeout_ms = _timeout_ms(timeout_s, self._timeout_ms)
+        self._send_queued()
         self._flushed_at = self.items_written
         try:
             self._wait_for_server(lambda: self._writer.end_episode(clear_buffers=True, timeout_ms=timeout_ms),
@@ -252,8 +292,8 @@ class NStepAdder:
             scale *= self._gamma * self._discounts[k]
         return {"reward": np.float32(total), "discount": np.float32(scale)}
 
-    def _create_item(self, t: int, t_next: int, priority: float) -> None:
-        """Item (o_t, a_t, reward/discount of the last step, o_{t_next}); o_k sits at the episode's writer step k."""
+    def _create_item(self, t: int, t_next: int, value_step: int, priority: float) -> None:
+        """Item (o_t, a_t, reward/discount of writer step value_step, o_{t_next}); o_k sits at writer step k."""
         if self._columns is None:
             history = self._writer.history  # rebuilt on every access: keep its columns once all exist
             self._columns = tuple(history[f] for f in ("observation", "action", "reward", "discount"))
@@ -264,8 +304,8 @@ class NStepAdder:
             trajectory={
                 "observation": obs_col[t],
                 "action": act_col[t],
-                "reward": reward_col[-1],
-                "discount": discount_col[-1],
+                "reward": reward_col[value_step],
+                "discount": discount_col[value_step],
                 "next_observation": obs_col[t_next],
             })
         self.items_written += 1
