@@ -37,6 +37,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List
 
+import psutil
+
 from actorq_jax.telemetry.machine import machine_info
 
 TASK = "cartpole_balance"
@@ -47,18 +49,13 @@ WARMUP_BATCHES = 10
 
 def _proc_cpu_s(pid: int) -> float:
     """User + system CPU seconds of process `pid` (all its threads)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
 
 
 def _proc_rss_bytes(pid: int) -> int:
     """Resident memory of process `pid`."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
+    return psutil.Process(pid).memory_info().rss
 
 
 def _builder() -> Any:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 import reverb
@@ -92,7 +92,7 @@ class NStepAdder:
         # Items are checked against the table's signature here (_cast), not again by the writer.
         self._keep_alive = 2 * n_step + 1 + chunk_length
         self._writer = client.trajectory_writer(num_keep_alive_refs=self._keep_alive, validate_items=False)
-        self._configured: set = set()
+        self._configured: Set[str] = set()  # columns given the fixed chunk length
         self._columns: Optional[Tuple[Any, ...]] = None
         # Waiting for the server every step costs a round trip per step; every few items bounds the
         # items in flight just as well (at most max_in_flight_items + flush_every).
@@ -231,7 +231,7 @@ class NStepAdder:
     def _append(self, step: Dict[str, np.ndarray]) -> None:
         self._writer.append(step)
         self._appended += 1
-        if self._chunk_length > 1:
+        if self._chunk_length > 1 and len(self._configured) < 4:  # once per column: not on every env step
             for name in step:
                 if name not in self._configured:
                     # Reverb's auto-tuned chunks stay one step long here; a fixed length lets a group share one.
