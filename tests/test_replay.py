@@ -19,6 +19,7 @@ import reverb
 
 from actorq_jax.quantization import QuantConfig, quantize, to_wire
 from actorq_jax.replay import (
+    ItemLayout,
     NStepAdder,
     ReplayDataset,
     ReplayServer,
@@ -29,6 +30,7 @@ from actorq_jax.replay import (
     WriteTimeout,
     make_replay_table,
     make_variables_table,
+    packed_signature,
     parse_address,
     transition_signature,
     update_priorities,
@@ -90,7 +92,8 @@ def read_all(address: str, table: str, count: int) -> Transition:
     client = reverb.Client(address)
     samples = list(client.sample(table, num_samples=count, emit_timesteps=False,
                                  unpack_as_table_signature=True))
-    return Transition(*[np.stack([s.data[field] for s in samples]) for field in Transition._fields])
+    layout = ItemLayout.from_table(client.server_info(timeout=5)[table].signature, table)
+    return Transition(**layout.unpack({c: np.stack([s.data[c] for s in samples]) for c in layout.columns}))
 
 
 def assert_transitions(batch: Transition, expected) -> None:
@@ -104,7 +107,7 @@ def assert_transitions(batch: Transition, expected) -> None:
 
 def queue_server(action_example=ACT, size=10_000) -> ReplayServer:
     """A server with a FIFO queue table 'q' of Transitions, to read items back in order."""
-    return ReplayServer([reverb.Table.queue("q", size, signature=transition_signature(OBS, action_example))])
+    return ReplayServer([reverb.Table.queue("q", size, signature=packed_signature(transition_signature(OBS, action_example)))])
 
 
 def table_size(client: reverb.Client, table: str) -> int:
@@ -196,15 +199,17 @@ def test_adder_sends_items_a_chunk_at_a_time_and_wait_sends_the_rest():
                 last = t == len(actions) - 1
                 adder.add(actions[t], (dm_env.termination if last else dm_env.transition)(rewards[t], obs[t + 1]))
 
-            for t in range(9):  # items 0..7 are complete once o_8 is written (with a_8): one group
+            for t in range(7):  # items 0..6 are complete (o_7 arrived) and wait for the eighth
                 step(t)
+            assert adder.items_written == 0
+            step(7)  # o_8 completes item 7: the group of 8 goes out
             assert adder.items_written == 8
-            for t in range(9, 12):  # items 8..10 complete, queued for the next group
+            for t in range(8, 11):  # items 8..10 complete, queued for the next group
                 step(t)
             assert adder.items_written == 8
             adder.wait()  # sends the queued items too, and waits for all (max_in_flight_items=0)
             assert (adder.items_written, table_size(client, "q")) == (11, 11)
-            for t in range(12, len(actions)):
+            for t in range(11, len(actions)):
                 step(t)
             assert adder.items_written == len(actions)
         assert_transitions(read_all(server.address, "q", len(actions)), brute_force(episode, 1, GAMMA))

@@ -10,7 +10,7 @@ from actorq_jax.agents.d4pg.config import D4PGConfig
 from actorq_jax.agents.dqn.config import DQNConfig
 from actorq_jax.agents.registry import get_agent
 from actorq_jax.environments import EnvironmentSpec
-from actorq_jax.replay import ReplayServer, make_replay_table
+from actorq_jax.replay import ItemLayout, ReplayServer, make_replay_table
 
 OBS_DIM = 3
 
@@ -24,13 +24,14 @@ def _d4pg_builder(**overrides):
 
 def _insert(client: reverb.Client, count: int, start: int = 0) -> None:
     """Inserts `count` transitions whose observation[0] is their index, with a bound on each write."""
+    layout = ItemLayout.from_table(client.server_info(timeout=5)["replay"].signature)
     with client.trajectory_writer(num_keep_alive_refs=1) as writer:
         for i in range(start, start + count):
-            writer.append({
+            writer.append(layout.pack({
                 "observation": np.full(OBS_DIM, i, np.float32), "action": np.zeros(1, np.float32),
                 "reward": np.float32(0.0), "discount": np.float32(1.0),
                 "next_observation": np.full(OBS_DIM, i + 1, np.float32),
-            })
+            }))
             writer.create_item("replay", 1.0, {k: col[-1] for k, col in writer.history.items()})
             # A ratio limiter that refuses inserts makes this raise instead of blocking the test.
             writer.flush(block_until_num_items=0, timeout_ms=2000)
@@ -67,6 +68,7 @@ def test_min_size_regime_removes_an_item_after_max_times_sampled_samples():
     with ReplayServer([make_replay_table(builder.replay_config(), example, builder.example_action())]) as server:
         client = server.client()
         _insert(client, 1)
+        # The packed row starts with the observation, whose first value is the item's index.
         seen = [int(next(client.sample("replay", num_samples=1, emit_timesteps=False)).data[0][0])
                 for _ in range(3)]
         assert seen == [0, 0, 0]
@@ -168,5 +170,5 @@ def test_an_episode_whose_items_the_limiter_held_past_the_timeout_leaves_the_nex
         adder.add_first(_timestep(0, 100.0))
         for t in range(1, 4):
             adder.add(action, _timestep(1, 100.0 + t))
-        assert adder.items_written == written + 1  # o_0 -> o_2 (n = 2; o_3 is pending until the next action)
+        assert adder.items_written == written + 2  # o_0 -> o_2 and o_1 -> o_3 (n = 2)
         adder.close(flush=False)

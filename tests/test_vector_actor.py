@@ -24,7 +24,15 @@ from actorq_jax.launch.config import RunConfig
 from actorq_jax.launch.flags import parse_run
 from actorq_jax.launch.precision import ActorPrecision, make_param_loader
 from actorq_jax.quantization import QuantConfig, quantize
-from actorq_jax.replay import ReplayServer, Transition, VariablePublisher, make_variables_table, transition_signature
+from actorq_jax.replay import (
+    ItemLayout,
+    ReplayServer,
+    Transition,
+    VariablePublisher,
+    make_variables_table,
+    packed_signature,
+    transition_signature,
+)
 from actorq_jax.telemetry import read_csv
 
 SEEDS = (11, 22, 33)
@@ -48,7 +56,7 @@ def _serve(run: RunConfig, agent_config) -> ReplayServer:
     observation = np.zeros((spec.observation_dim,), np.float32)
     server = ReplayServer([
         reverb.Table.queue(builder.adder_config().table, 100_000,
-                           signature=transition_signature(observation, builder.example_action())),
+                           signature=packed_signature(transition_signature(observation, builder.example_action()))),
         make_variables_table(runtime.VARIABLES_TABLE), make_variables_table(runtime.EVAL_VARIABLES_TABLE),
         make_variables_table(runtime.CONFIG_TABLE)])
     client = server.client()
@@ -63,8 +71,9 @@ def _items(server: ReplayServer) -> collections.Counter:
     client = server.client()
     count = client.server_info(timeout=5)["replay"].current_size
     samples = client.sample("replay", num_samples=count, emit_timesteps=False, unpack_as_table_signature=True)
+    layout = ItemLayout.from_table(client.server_info(timeout=5)["replay"].signature)
     return collections.Counter(
-        tuple(np.asarray(s.data[f]).tobytes() for f in Transition._fields) for s in samples)
+        tuple(np.asarray(layout.unpack(s.data)[f]).tobytes() for f in Transition._fields) for s in samples)
 
 
 def _act(server, run, agent_config, actor_id, seeds, episodes, log_dir, monkeypatch):

@@ -27,7 +27,7 @@ from actorq_jax.agents.builder import AgentBuilder
 from actorq_jax.agents.registry import AgentEntry, register_agent
 from actorq_jax.config import AgentConfig, check, check_positive, documented
 from actorq_jax.networks import QNetwork
-from actorq_jax.replay import ReplayBatch, ReplayDataset, WriteTimeout, transition_signature
+from actorq_jax.replay import ItemLayout, ReplayBatch, ReplayDataset, WriteTimeout, transition_signature
 
 NAME = "third"
 MODULE = "third_agent"
@@ -81,6 +81,8 @@ class StepAdder:
         self.wait_s = 0.0
         self._client, self._table, self._gamma = client, table, float(discount)
         self._writer = client.trajectory_writer(num_keep_alive_refs=1)
+        # The table stores items packed per dtype (make_item_table); its signature names the layout.
+        self._layout = ItemLayout.from_table(client.server_info()[table].signature, table)
         self._observation: Optional[np.ndarray] = None
         self._t = 0
 
@@ -92,17 +94,17 @@ class StepAdder:
         """Writes the item of this step; ends the episode at a LAST timestep."""
         next_observation = np.asarray(next_timestep.observation, np.float32)
         discount = 1.0 if next_timestep.discount is None else float(next_timestep.discount)
-        self._writer.append({
+        self._writer.append(self._layout.pack({
             "observation": self._observation,
             "action": np.asarray(action, np.int32),
             "reward": np.float32(0.0 if next_timestep.reward is None else next_timestep.reward),
             "discount": np.float32(self._gamma * discount),
             "next_observation": next_observation,
             "step_index": np.int32(self._t),
-        })
+        }))
         history = self._writer.history
         self._writer.create_item(self._table, priority=1.0 if priority is None else priority,
-                                 trajectory={field: history[field][-1] for field in StepItem._fields})
+                                 trajectory={column: history[column][-1] for column in self._layout.columns})
         self._observation, self._t = next_observation, self._t + 1
         if next_timestep.last():
             self._blocking(lambda ms: self._writer.end_episode(clear_buffers=True, timeout_ms=ms))

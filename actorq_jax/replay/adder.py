@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import numpy as np
 import reverb
 
+from actorq_jax.replay.packing import ItemLayout
 from actorq_jax.replay.server import parse_address
+from actorq_jax.replay.types import Transition
 
 _REQUIRED = ("step_type", "reward", "discount", "observation")
 
@@ -37,21 +39,20 @@ class NStepAdder:
             timestep = env.step(action)
             adder.add(action, timestep)
 
-    The item for step t is created once o_{t+n} is written; when the episode ends
-    (a LAST timestep) the remaining m < n steps are written with m-step rewards and
+    The item for step t is complete once o_{t+n} arrives; when the episode ends
+    (a LAST timestep) the remaining m < n steps get items with m-step rewards and
     discounts. A terminal step (env discount 0) cuts the bootstrap (discount 0); a
-    truncation (LAST with discount > 0) keeps it. Observations and actions are
-    written once per step and items reference them; only the n-step reward and
-    discount are written per item. Each env step is one writer append (o_t with a_t, and
-    the reward/discount of the item o_t completes), so o_{t+1} reaches the writer with
-    a_{t+1} or at the episode's end.
+    truncation (LAST with discount > 0) keeps it. The adder keeps the last n + 1
+    observations and n actions itself and writes each complete item as one packed row
+    (o_t, a_t, R, D, o_{t+m}; see packing.py) that the item references alone, because the
+    service's and the learner's work per sample grows with the columns an item references.
 
     `reset()` abandons an unfinished episode: items already created are still sent,
     the last (< n) steps whose n-step return is unknown are dropped.
 
-    Items are created `chunk_length` at a time (and whenever the adder flushes or an episode ends),
-    so Reverb sends each column's data for those steps as one chunk: a replay service then stores,
-    checkpoints and streams one chunk per column per `chunk_length` steps instead of one per step.
+    Items are written `chunk_length` at a time (and whenever the adder flushes or an episode ends),
+    so Reverb sends their rows as one chunk per column: a replay service then stores,
+    checkpoints and streams one chunk per column per `chunk_length` items instead of one per item.
     An item reaches the server at most `chunk_length - 1` env steps later than it could.
 
     Every `max_in_flight_items / 2` items (every item when that is 0 or 1), `add` waits
@@ -85,15 +86,15 @@ class NStepAdder:
         self._gamma = float(discount)
         self._priority = float(priority)
         self._max_in_flight = int(max_in_flight_items)
-        self._specs = _table_specs(client, table, connect_timeout_s)
+        self._layout = _table_layout(client, table, connect_timeout_s)
         self._chunk_length = chunk_length
-        # The farthest an item reaches back: o_t is n steps before o_{t+n}, plus up to n-1 extra per-item
-        # steps appended at the end of an episode, plus the chunk_length - 1 steps an item may wait.
-        # Items are checked against the table's signature here (_cast), not again by the writer.
-        self._keep_alive = 2 * n_step + 1 + chunk_length
-        self._writer = client.trajectory_writer(num_keep_alive_refs=self._keep_alive, validate_items=False)
-        self._configured: Set[str] = set()  # columns given the fixed chunk length
-        self._columns: Optional[Tuple[Any, ...]] = None
+        # An item references only its own row, written at most chunk_length rows ago.
+        # Rows are checked against the table's signature here (_cast, pack), not again by the writer.
+        self._writer = client.trajectory_writer(num_keep_alive_refs=chunk_length, validate_items=False)
+        if chunk_length > 1:
+            for column in self._layout.columns:
+                # Reverb's auto-tuned chunks stay one row long here; a fixed length lets a group share one.
+                self._writer.configure((column,), num_keep_alive_refs=chunk_length, max_chunk_length=chunk_length)
         # Waiting for the server every step costs a round trip per step; every few items bounds the
         # items in flight just as well (at most max_in_flight_items + flush_every).
         self._flush_every = max(1, self._max_in_flight // 2)
@@ -126,14 +127,14 @@ class NStepAdder:
         self._flush(self._max_in_flight, timeout_s)
 
     def add_first(self, timestep: Any) -> None:
-        """Starts an episode at a FIRST timestep (o_0 is written with a_0)."""
+        """Starts an episode at a FIRST timestep."""
         _check_timestep(timestep)
         if self._in_episode:
             raise ValueError(
                 "add_first called in the middle of an episode; call reset() to abandon it first")
         if not timestep.first():
             raise ValueError(f"add_first needs a FIRST timestep, got step_type={timestep.step_type!r}")
-        self._pending = self._cast("observation", timestep.observation)
+        self._observations.append(self._cast("observation", timestep.observation))
         self._in_episode = True
 
     def add(self, action: Any, next_timestep: Any, priority: Optional[float] = None) -> None:
@@ -149,21 +150,18 @@ class NStepAdder:
         reward = float(np.asarray(next_timestep.reward if next_timestep.reward is not None else 0.0))
         env_discount = float(np.asarray(
             next_timestep.discount if next_timestep.discount is not None else 1.0))
-        # One writer step per env step: o_t with a_t, plus the n-step reward/discount of the item
-        # that o_t completes (o_{t-n}'s). o_{t+1} waits for a_{t+1} (or the episode's end).
-        self._write_step(self._cast("action", action), priority)
+        self._actions.append(self._cast("action", action))
         self._rewards.append(reward)
         self._discounts.append(env_discount)
+        self._observations.append(self._cast("observation", next_timestep.observation))
+        self._t += 1
         self.steps_added += 1
-        self._pending = self._cast("observation", next_timestep.observation)
+        if self._t >= self._n:
+            self._queue_item(self._t - self._n, priority)
         if next_timestep.last():
-            t_last = self._t
-            self._write_step(None, priority)  # o_T, and o_{T-n}'s item
-            # The last min(n, T) - 1 (or, for T < n, all T) steps have no o_{t+n}:
-            # each gets a step of its own holding its m-step reward/discount.
-            for t in range(max(t_last - self._n + 1, 0), t_last):
-                self._append(self._item_values(t, t_last))
-                self._queue_item(t, t_last, priority)
+            # The last min(n, T) - 1 (or, for T < n, all T) steps have no o_{t+n}: m-step items.
+            for t in range(max(self._t - self._n + 1, 0), self._t):
+                self._queue_item(t, priority)
             try:
                 self._end_episode()
             finally:
@@ -178,8 +176,6 @@ class NStepAdder:
         """Abandons the current episode (see class doc) and flushes created items (within `timeout_s`, default
         the adder's timeout_s)."""
         try:
-            if self._in_episode and self._t >= self._n:
-                self._write_step(None, self._priority)  # the item the last observation completes
             self._end_episode(timeout_s)
         finally:
             self._start_episode_state()
@@ -205,51 +201,43 @@ class NStepAdder:
 
     def _start_episode_state(self) -> None:
         self._in_episode = False
-        self._pending: Optional[np.ndarray] = None  # o_t, written with a_t
-        self._t = 0  # episode index of the pending observation (= its writer step)
-        self._appended = 0  # writer steps of this episode (the episode's end adds steps without an observation)
-        # Complete items not yet handed to the writer: (t, t_next, writer step of their reward, priority).
-        self._queued: List[Tuple[int, int, int, float]] = []
-        # r_{k+1}, d_{k+1} of the last n env transitions.
+        self._t = 0  # episode index of the newest observation
+        # o_{t-n} .. o_t, a_{t-n} .. a_{t-1}, and r_{k+1}, d_{k+1} of the last n transitions.
+        self._observations: Deque[np.ndarray] = collections.deque(maxlen=self._n + 1)
+        self._actions: Deque[np.ndarray] = collections.deque(maxlen=self._n)
         self._rewards: Deque[float] = collections.deque(maxlen=self._n)
         self._discounts: Deque[float] = collections.deque(maxlen=self._n)
+        # Complete items not yet handed to the writer: (packed row, priority).
+        self._queued: List[Tuple[Dict[str, np.ndarray], float]] = []
 
-    def _write_step(self, action: Optional[np.ndarray], priority: float) -> None:
-        """Appends the pending observation's step (with a_t unless None) and creates the item it completes."""
-        t, first = self._t, self._t - self._n
-        step = {"observation": self._pending}
-        if action is not None:
-            step["action"] = action
-        if first >= 0:
-            step.update(self._item_values(first, t))
-        self._append(step)
-        self._pending = None
-        self._t += 1
-        if first >= 0:
-            self._queue_item(first, t, priority)
-
-    def _append(self, step: Dict[str, np.ndarray]) -> None:
-        self._writer.append(step)
-        self._appended += 1
-        if self._chunk_length > 1 and len(self._configured) < 4:  # once per column: not on every env step
-            for name in step:
-                if name not in self._configured:
-                    # Reverb's auto-tuned chunks stay one step long here; a fixed length lets a group share one.
-                    self._writer.configure((name,), num_keep_alive_refs=self._keep_alive,
-                                           max_chunk_length=self._chunk_length)
-                    self._configured.add(name)
-
-    def _queue_item(self, t: int, t_next: int, priority: float) -> None:
-        """Queues the item from o_t to o_{t_next} whose reward and discount the last writer step holds."""
-        self._queued.append((t, t_next, self._appended - 1, priority))
+    def _queue_item(self, t: int, priority: float) -> None:
+        """Queues the item from o_t to the newest observation (an n-step one, or m < n at an episode's end)."""
+        reward, discount = self._item_values(t, self._t)
+        row = self._layout.pack({
+            "observation": self._observations[t - self._t - 1],
+            "action": self._actions[t - self._t],
+            "reward": reward,
+            "discount": discount,
+            "next_observation": self._observations[-1],
+        })
+        self._queued.append((row, priority))
         if len(self._queued) >= self._chunk_length:
             self._send_queued()
 
     def _send_queued(self) -> None:
-        """Hands every queued item to the writer (its data goes out as one chunk per column)."""
+        """Writes every queued row, then creates their items (the rows go out as one chunk per column)."""
         queued, self._queued = self._queued, []
-        for t, t_next, value_step, priority in queued:
-            self._create_item(t, t_next, value_step, priority)
+        for row, _ in queued:
+            self._writer.append(row)
+        if not queued:
+            return
+        history = self._writer.history  # rebuilt on every access: once per group
+        columns = [history[column] for column in self._layout.columns]
+        for k, (_, priority) in enumerate(queued):
+            back = k - len(queued)
+            self._writer.create_item(table=self._table, priority=priority,
+                                     trajectory={c: col[back] for c, col in zip(self._layout.columns, columns)})
+            self.items_written += 1
 
     def _end_episode(self, timeout_s: Optional[float] = None) -> None:
         timeout_ms = _timeout_ms(timeout_s, self._timeout_ms)
@@ -282,36 +270,18 @@ class NStepAdder:
         finally:
             self.wait_s += time.perf_counter() - start
 
-    def _item_values(self, t: int, t_next: int) -> Dict[str, np.ndarray]:
-        """The n-step reward and discount of the item from o_t to o_{t_next}."""
+    def _item_values(self, t: int, t_next: int) -> Tuple[np.float32, np.float32]:
+        """The m-step reward and discount of the item from o_t to o_{t_next}."""
         # rewards/discounts deques hold transitions t_next-len .. t_next-1.
         offset = t_next - len(self._rewards)
         total, scale = 0.0, 1.0
         for k in range(t - offset, t_next - offset):
             total += scale * self._rewards[k]
             scale *= self._gamma * self._discounts[k]
-        return {"reward": np.float32(total), "discount": np.float32(scale)}
-
-    def _create_item(self, t: int, t_next: int, value_step: int, priority: float) -> None:
-        """Item (o_t, a_t, reward/discount of writer step value_step, o_{t_next}); o_k sits at writer step k."""
-        if self._columns is None:
-            history = self._writer.history  # rebuilt on every access: keep its columns once all exist
-            self._columns = tuple(history[f] for f in ("observation", "action", "reward", "discount"))
-        obs_col, act_col, reward_col, discount_col = self._columns
-        self._writer.create_item(
-            table=self._table,
-            priority=priority,
-            trajectory={
-                "observation": obs_col[t],
-                "action": act_col[t],
-                "reward": reward_col[value_step],
-                "discount": discount_col[value_step],
-                "next_observation": obs_col[t_next],
-            })
-        self.items_written += 1
+        return np.float32(total), np.float32(scale)
 
     def _cast(self, field: str, value: Any) -> np.ndarray:
-        dtype, shape = self._specs[field]
+        dtype, shape = self._layout.spec(field)
         array = np.asarray(value, dtype=dtype)
         if array.shape != shape:
             raise ValueError(
@@ -325,9 +295,8 @@ def _check_timestep(timestep: Any) -> None:
         raise ValueError(f"expected a dm_env.TimeStep, got {type(timestep).__name__} missing {missing}")
 
 
-def _table_specs(client: reverb.Client, table: str,
-                 timeout_s: float) -> Dict[str, Tuple[np.dtype, Tuple[int, ...]]]:
-    """(dtype, shape) of the observation and action columns from the table's signature."""
+def _table_layout(client: reverb.Client, table: str, timeout_s: float) -> ItemLayout:
+    """The packed layout of the table's Transition items, from the server's signature."""
     parse_address(client.server_address)
     try:
         infos = client.server_info(timeout=max(1, int(np.ceil(timeout_s))))
@@ -337,10 +306,9 @@ def _table_specs(client: reverb.Client, table: str,
     if table not in infos:
         raise ValueError(
             f"table {table!r} not found on {client.server_address}; tables: {sorted(infos)}")
-    signature = infos[table].signature
-    if not signature or "observation" not in signature or "action" not in signature:
+    layout = ItemLayout.from_table(infos[table].signature, table)
+    if set(layout.fields) != set(Transition._fields):
         raise ValueError(
-            f"table {table!r} on {client.server_address} has no Transition signature "
-            f"(build it with make_replay_table)")
-    return {name: (signature[name].dtype.as_numpy_dtype, tuple(signature[name].shape))
-            for name in ("observation", "action")}
+            f"table {table!r} on {client.server_address} holds items of fields {list(layout.fields)}, "
+            f"not a Transition (build it with make_replay_table)")
+    return layout

@@ -8,6 +8,7 @@ from typing import Any, Iterator, NamedTuple, Optional, Sequence, Union
 import numpy as np
 import reverb
 
+from actorq_jax.replay.packing import ItemLayout
 from actorq_jax.replay.server import wait_for_server
 from actorq_jax.replay.types import Transition
 
@@ -33,11 +34,11 @@ class ReplayDataset:
 
     `item_type` is the NamedTuple the table's items fill, field by field (default: the n-step
     Transition); the table's signature must have exactly its fields.
-    Built on reverb.TrajectoryDataset (TF) from the table's signature, batched with
-    drop_remainder and prefetched. `max_in_flight_samples` (default 2 * batch_size)
-    is how many samples each worker requests at once. `rate_limiter_timeout_ms` >= 0 ends the iteration
-    (StopIteration) once the rate limiter has refused a sample for that long;
-    -1 waits forever, as a learner does.
+    Built on reverb.TrajectoryDataset (TF) from the table's packed signature, batched with
+    drop_remainder and prefetched, and unpacked into the item's fields (numpy views).
+    `max_in_flight_samples` (default 2 * batch_size) is how many samples each worker requests at once.
+    `rate_limiter_timeout_ms` >= 0 ends the iteration (StopIteration) once the rate limiter has refused a
+    sample for that long; -1 waits forever, as a learner does.
     """
 
     def __init__(self, address: str, table: str, batch_size: int, prefetch: int = 2,
@@ -53,10 +54,13 @@ class ReplayDataset:
         if table not in infos:
             raise ValueError(f"table {table!r} not found on {address}; tables: {sorted(infos)}")
         signature = infos[table].signature
-        if not signature or set(signature) != set(item_type._fields):
+        layout = ItemLayout.from_table(signature, table)
+        if set(layout.fields) != set(item_type._fields):
             raise ValueError(
-                f"table {table!r} on {address} has no {item_type.__name__} signature (got {signature!r}); "
-                f"build it with make_replay_table, or make_item_table for another item type")
+                f"table {table!r} on {address} holds items of fields {list(layout.fields)}, not "
+                f"{item_type.__name__}'s {list(item_type._fields)}; build it with make_replay_table, or "
+                f"make_item_table for another item type")
+        self._layout = layout
         self.address = address
         self.table = table
         self.batch_size = batch_size
@@ -81,7 +85,7 @@ class ReplayDataset:
 
     def __next__(self) -> Union[Transition, ReplayBatch]:
         sample = next(self._iterator)
-        data = self.item_type(**{name: sample.data[name] for name in self.item_type._fields})
+        data = self.item_type(**self._layout.unpack(sample.data))
         if not self.with_info:
             return data
         return ReplayBatch(data=data, keys=sample.info.key, probabilities=sample.info.probability,

@@ -9,6 +9,8 @@ import numpy as np
 import reverb
 import tensorflow as tf
 
+from actorq_jax.replay.packing import packed_signature
+
 
 @dataclasses.dataclass(frozen=True)
 class ReplayTableConfig:
@@ -112,7 +114,8 @@ def make_replay_table(config: ReplayTableConfig, observation_example: np.ndarray
 
 
 def make_item_table(config: ReplayTableConfig, signature: Dict[str, tf.TensorSpec]) -> reverb.Table:
-    """A replay table of items with `signature` (field -> spec): uniform (or prioritized) sampling, FIFO removal."""
+    """A replay table of items with `signature` (field -> spec), packed per dtype (see packing.py): uniform (or
+    prioritized) sampling, FIFO removal."""
     if config.prioritized:
         sampler = reverb.selectors.Prioritized(config.priority_exponent)
     else:
@@ -124,7 +127,7 @@ def make_item_table(config: ReplayTableConfig, signature: Dict[str, tf.TensorSpe
         max_size=config.max_size,
         max_times_sampled=config.max_times_sampled,
         rate_limiter=config.rate_limiter(),
-        signature=signature)
+        signature=packed_signature(signature))
 
 
 def make_variables_table(name: str = "variables") -> reverb.Table:
