@@ -36,7 +36,7 @@ from actorq_jax.replay import (
     update_priorities,
     wait_for_server,
 )
-from actorq_jax.replay.server import checkpoint_table_size, prune_checkpoints
+from actorq_jax.replay.server import CheckpointMismatch, checkpoint_table_size, prune_checkpoints
 from actorq_jax.replay.variables import insert_wire
 
 OBS_DIM, ACT_DIM = 3, 2
@@ -540,6 +540,25 @@ def test_replay_checkpoint_restores_the_table(tmp_path):
         assert wait_for_server(server.address, 10).server_info(timeout=5)["replay"].current_size == 0
     with pytest.raises(FileNotFoundError, match="missing"):
         ReplayServer([make_replay_table(config, OBS, ACT)], checkpoint_dir=tmp_path, restore="missing")
+
+
+@pytest.mark.process
+@pytest.mark.timeout(120)
+def test_a_checkpoint_of_unpacked_items_is_refused_by_name_and_kept(tmp_path):
+    # A table as an older version stored it: one column per Transition field.
+    config = ReplayTableConfig(max_size=100, min_size=1, samples_per_insert=None)
+    unpacked = reverb.Table(name="replay", sampler=reverb.selectors.Uniform(), remover=reverb.selectors.Fifo(),
+                            max_size=100, rate_limiter=reverb.rate_limiters.MinSize(1),
+                            signature=transition_signature(OBS, ACT))
+    with ReplayServer([unpacked], checkpoint_dir=tmp_path) as server:
+        with server.client().trajectory_writer(num_keep_alive_refs=1) as writer:
+            writer.append({"observation": OBS, "action": ACT, "reward": np.float32(1), "discount": np.float32(1),
+                           "next_observation": OBS})
+            writer.create_item("replay", 1.0, {k: column[-1] for k, column in writer.history.items()})
+        server.checkpoint("old")
+    with pytest.raises(CheckpointMismatch, match="checkpoint 'old' holds table 'replay'.*start a new run"):
+        ReplayServer([make_replay_table(config, OBS, ACT)], checkpoint_dir=tmp_path, restore="old")
+    assert checkpoint_table_size(tmp_path, "old", "replay") == 1  # nothing collected is lost
 
 
 # ----------------------------------------------------------------------------- failures

@@ -69,9 +69,14 @@ def main(argv: Optional[list] = None) -> int:
         run = dataclasses.replace(run, resume=True)  # a restarted learner or service continues from its checkpoint
     if args.role == "replay":
         from actorq_jax.launch.replay_service import run_replay_service
+        from actorq_jax.replay.server import CheckpointMismatch
 
         # The service loop only polls and answers: run it on the main thread.
-        run_replay_service(run, agent_config, config_json, stop, launcher_alive=launcher_alive)
+        try:
+            run_replay_service(run, agent_config, config_json, stop, launcher_alive=launcher_alive)
+        except CheckpointMismatch as error:
+            logging.error("%s", error)  # the run's own input, not a fault: its message, without a traceback
+            return 2
         return 0
     if args.role == "learner":
         from actorq_jax.launch.learner import run_learner

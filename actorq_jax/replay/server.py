@@ -98,6 +98,31 @@ def checkpoint_table_size(directory: Path, name: str, table: str) -> int:
     return len(checkpoint_items(directory, name, table))
 
 
+def _signature_summary(signature: Any) -> Optional[Dict[str, Tuple[Tuple[int, ...], str, Optional[str]]]]:
+    """column -> (shape, dtype, spec name) of a table signature (None for a table without one)."""
+    if not signature:
+        return None
+    return {str(column): (tuple(spec.shape), spec.dtype.name, (spec.name or "").rpartition("/")[2] or None)
+            for column, spec in signature.items()}
+
+
+class CheckpointMismatch(ValueError):
+    """A replay checkpoint holds a table whose items this version cannot read (another layout or task)."""
+
+
+def _check_restored_signatures(tables: Sequence[reverb.Table], client: reverb.Client, restore: str) -> None:
+    """Raises CheckpointMismatch when a checkpoint replaced a table by one whose items have another signature."""
+    infos = client.server_info(timeout=30)
+    for table in tables:
+        want = _signature_summary(table.info.signature)
+        got = _signature_summary(infos[table.name].signature) if table.name in infos else want
+        if got != want:
+            raise CheckpointMismatch(
+                f"replay checkpoint {restore!r} holds table {table.name!r} with item signature {got}, but this "
+                f"version builds it as {want}: the checkpoint was written by another version (or another task), "
+                f"so its items cannot be read; start a new run, or resume with the version that wrote it")
+
+
 class ReplayServer:
     """A Reverb server hosting the given tables; `.address` is what clients connect to.
 
@@ -139,6 +164,12 @@ class ReplayServer:
         self._port = self._server.port
         self._host = advertised_host
         self.table_names = tuple(table.name for table in tables)
+        if restore:
+            try:
+                _check_restored_signatures(tables, self.client(), restore)
+            except CheckpointMismatch:
+                self.stop()
+                raise
 
     def checkpoint(self, name: str) -> str:
         """Writes every table to checkpoint_dir/name (replacing one of that name); returns name."""
