@@ -232,6 +232,18 @@ def test_adder_rejects_bad_input_clearly():
         with pytest.raises(ValueError, match=r"observation has shape \(4,\)"):
             adder.add_first(dm_env.restart(np.zeros(4, np.float32)))
         adder.close()
+        # A bad step in the middle of an episode is refused whole: the episode goes on as if it never came.
+        obs, actions, rewards, discounts = episode = random_episode(np.random.default_rng(5), 4, terminal=True)
+        with NStepAdder(client, "q", n_step=2, discount=GAMMA, chunk_length=1) as adder:
+            adder.add_first(dm_env.restart(obs[0]))
+            adder.add(actions[0], dm_env.transition(rewards[0], obs[1]))
+            with pytest.raises(ValueError, match=r"observation has shape \(4,\)"):
+                adder.add(actions[1], dm_env.transition(rewards[1], np.zeros(4, np.float32)))
+            with pytest.raises(ValueError, match=r"action has shape \(3,\)"):
+                adder.add(np.zeros(3, np.float32), dm_env.transition(rewards[1], obs[2]))
+            for t in range(1, 4):
+                adder.add(actions[t], (dm_env.termination if t == 3 else dm_env.transition)(rewards[t], obs[t + 1]))
+        assert_transitions(read_all(server.address, "q", 4), brute_force(episode, 2, GAMMA))
 
 
 # ----------------------------------------------------------------------------- tables and dataset

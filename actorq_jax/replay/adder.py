@@ -150,10 +150,13 @@ class NStepAdder:
         reward = float(np.asarray(next_timestep.reward if next_timestep.reward is not None else 0.0))
         env_discount = float(np.asarray(
             next_timestep.discount if next_timestep.discount is not None else 1.0))
-        self._actions.append(self._cast("action", action))
+        # Both checked before anything is kept: a bad value leaves the episode as it was.
+        action = self._cast("action", action)
+        observation = self._cast("observation", next_timestep.observation)
+        self._actions.append(action)
         self._rewards.append(reward)
         self._discounts.append(env_discount)
-        self._observations.append(self._cast("observation", next_timestep.observation))
+        self._observations.append(observation)
         self._t += 1
         self.steps_added += 1
         if self._t >= self._n:
