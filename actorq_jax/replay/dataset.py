@@ -54,13 +54,7 @@ class ReplayDataset:
         if table not in infos:
             raise ValueError(f"table {table!r} not found on {address}; tables: {sorted(infos)}")
         signature = infos[table].signature
-        layout = ItemLayout.from_table(signature, table)
-        if set(layout.fields) != set(item_type._fields):
-            raise ValueError(
-                f"table {table!r} on {address} holds items of fields {list(layout.fields)}, not "
-                f"{item_type.__name__}'s {list(item_type._fields)}; build it with make_replay_table, or "
-                f"make_item_table for another item type")
-        self._layout = layout
+        self._layout = ItemLayout.from_table(signature, table, item_type._fields)
         self.address = address
         self.table = table
         self.batch_size = batch_size

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Dict, Mapping, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -42,6 +42,11 @@ def _encode_shape(shape: Tuple[int, ...]) -> str:
 
 def _decode_shape(text: str) -> Tuple[int, ...]:
     return tuple(int(d) for d in text.split("x")) if text else ()
+
+
+def spec_label(spec: Any) -> str:
+    """A column spec's name as written, without the column path some Reverb versions prefix ("packed_float32/...")."""
+    return (spec.name or "").rpartition("/")[2]
 
 
 class ItemLayout:
@@ -83,8 +88,10 @@ class ItemLayout:
         return cls(tuple(slots))
 
     @classmethod
-    def from_table(cls, signature: Mapping[str, Any], table: str = "") -> "ItemLayout":
-        """The layout a table's packed signature (from table_signature, as the server reports it) names."""
+    def from_table(cls, signature: Mapping[str, Any], table: str = "",
+                   fields: Optional[Sequence[str]] = None) -> "ItemLayout":
+        """The layout a table's packed signature (from table_signature, as the server reports it) names;
+        ValueError unless its fields are `fields` (in any order) when given."""
         if not signature or not all(str(column).startswith(PACKED_PREFIX) for column in signature):
             raise ValueError(
                 f"table {table!r} does not hold packed items (signature {signature!r}); "
@@ -93,8 +100,7 @@ class ItemLayout:
         for column, spec in signature.items():
             dtype = np.dtype(spec.dtype.as_numpy_dtype)
             start = 0
-            # Some Reverb versions report a column's spec name prefixed with its path ("packed_float32/...").
-            for entry in (spec.name or "").rpartition("/")[2].split(","):
+            for entry in spec_label(spec).split(","):
                 name, _, shape_text = entry.partition(":")
                 shape = _decode_shape(shape_text)
                 stop = start + math.prod(shape)
@@ -102,7 +108,12 @@ class ItemLayout:
                 start = stop
             if start != int(spec.shape[0]):
                 raise ValueError(f"table {table!r}: column {column!r} names {start} values but holds {spec.shape}")
-        return cls(tuple(slots))
+        layout = cls(tuple(slots))
+        if fields is not None and set(layout.fields) != set(fields):
+            raise ValueError(
+                f"table {table!r} holds items of fields {list(layout.fields)}, not {list(fields)}; build it with "
+                f"make_replay_table, or make_item_table for another item type")
+        return layout
 
     def table_signature(self) -> Dict[str, tf.TensorSpec]:
         """The packed columns' signature for a Reverb table (each spec named after its fields)."""

@@ -11,6 +11,7 @@ from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
 import reverb
 
 from actorq_jax.net import LOOPBACK
+from actorq_jax.replay.packing import spec_label
 
 # One server_info probe waits at most this long (Reverb's deadline is whole seconds).
 _PROBE_S = 1
@@ -102,7 +103,7 @@ def _signature_summary(signature: Any) -> Optional[Dict[str, Tuple[Tuple[int, ..
     """column -> (shape, dtype, spec name) of a table signature (None for a table without one)."""
     if not signature:
         return None
-    return {str(column): (tuple(spec.shape), spec.dtype.name, (spec.name or "").rpartition("/")[2] or None)
+    return {str(column): (tuple(spec.shape), spec.dtype.name, spec_label(spec) or None)
             for column, spec in signature.items()}
 
 
