@@ -67,3 +67,30 @@ def test_bad_lists_are_usage_errors_naming_the_flag_and_value(flags, says, capsy
     import learner as learner_benchmark
 
     assert says in usage_error(capsys, lambda: learner_benchmark.main(flags))
+
+
+@pytest.mark.process
+@pytest.mark.timeout(300)
+def test_learner_gpu_benchmark_runs_its_comparison_on_cpu(tmp_path):
+    # With the CPU as the "accelerator" both sides run the same program on the same platform: equal parameters.
+    path = tmp_path / "learner_gpu.json"
+    proc = subprocess.run([sys.executable, "benchmarks/learner_gpu.py", "--accelerator", "cpu", "--agents", "dqn",
+                           "--sizes", "32", "--trials", "1", "--seconds", "0.05", "--json", str(path)],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads(path.read_text())["rows"]
+    assert (row["agent"], row["hidden"]) == ("dqn", 32)
+    assert row["gflop_per_step"] > 0 and row["max_rel_param_difference"] == 0.0
+    for key in ("cpu:step/default", "cpu:scan8/default"):
+        assert math.isfinite(row[key]) and row[key] > 0, key
+    assert "| dqn | 32 |" in proc.stdout
+
+
+@pytest.mark.process
+@pytest.mark.timeout(120)
+def test_learner_gpu_benchmark_names_a_platform_it_cannot_start():
+    proc = subprocess.run([sys.executable, "benchmarks/learner_gpu.py", "--accelerator", "nosuchplatform",
+                           "--agents", "dqn", "--sizes", "32"],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 1
+    assert "no JAX platform 'nosuchplatform'" in proc.stderr and "Traceback" not in proc.stderr
