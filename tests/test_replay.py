@@ -8,6 +8,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -17,6 +18,7 @@ import portpicker
 import pytest
 import reverb
 
+from actorq_jax.net import PortTaken
 from actorq_jax.quantization import QuantConfig, quantize, to_wire
 from actorq_jax.replay import (
     ItemLayout,
@@ -571,6 +573,21 @@ def test_a_checkpoint_of_unpacked_items_is_refused_by_name_and_kept(tmp_path):
     with pytest.raises(CheckpointMismatch, match="checkpoint 'old' holds table 'replay'.*start a new run"):
         ReplayServer([make_replay_table(config, OBS, ACT)], checkpoint_dir=tmp_path, restore="old")
     assert checkpoint_table_size(tmp_path, "old", "replay") == 1  # nothing collected is lost
+
+
+@pytest.mark.process
+@pytest.mark.timeout(60)
+def test_a_server_on_a_port_another_process_holds_says_the_port_is_taken():
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen(1)
+    port = held.getsockname()[1]
+    config = ReplayTableConfig(max_size=100, min_size=1, samples_per_insert=None)
+    try:
+        with pytest.raises(PortTaken, match=f"port {port} is taken by another process"):
+            ReplayServer([make_replay_table(config, OBS, ACT)], port=port)
+    finally:
+        held.close()
 
 
 # ----------------------------------------------------------------------------- failures

@@ -31,6 +31,7 @@ from actorq_jax.launch.channel import FileChannel, RunChannel, make_channel
 from actorq_jax.launch.checkpoint import read_counters
 from actorq_jax.launch.config import RunConfig, save_config
 from actorq_jax.launch.placement import CpuMeter, LocalPlacement, Placement, WorkerProcess, ended, how_it_ended
+from actorq_jax.net import PortTaken
 from actorq_jax.run_dir import STOP_EVENT, RunDir
 from actorq_jax.telemetry.tensorboard import TensorBoardExport
 
@@ -190,7 +191,7 @@ class Launcher:
             # A port the launcher picked can be taken by another process between the pick and the service's
             # bind (free_port releases it): pick another, as a user would, instead of failing the run.
             if (self.port_chosen and attempt < PORT_ATTEMPTS and ended(replay.process)
-                    and "Address already in use" in self._log_tail(replay)):
+                    and replay.process.returncode == runtime.EXIT_PORT_TAKEN):
                 self._terminate([learner], LEARNER_RESTART_STOP_S)  # it has not connected: nothing to lose
                 self.run = dataclasses.replace(run, port=runtime.free_port())
                 save_config(self.dir.config, self.run, self.agent_config)
@@ -477,10 +478,6 @@ class EvalWatch:
     def last_return(self) -> str:
         """The last fp32 evaluation episode's return, for the progress line ("-" before the first)."""
         return f"{float(self._fp32[-1]['return']):.1f}" if self._fp32 else "-"
-
-
-class PortTaken(RuntimeError):
-    """The run's configured port is held by another process."""
 
 
 def _read_rows(path: Path) -> List[Dict[str, Any]]:

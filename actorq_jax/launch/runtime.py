@@ -1,14 +1,13 @@
 """Process plumbing shared by the learner, actor and evaluator workers (imports no JAX)."""
 
 import ctypes
-import errno
 import os
 import signal
 import socket
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-from actorq_jax.net import LOOPBACK
+from actorq_jax.net import LOOPBACK, port_in_use  # noqa: F401  (port_in_use: the launcher's, through this module)
 
 # The backends a run launches its workers on (--launcher).
 LAUNCHERS = ("local", "ray")
@@ -18,6 +17,8 @@ EVAL_VARIABLES_TABLE = "eval_variables"  # the float32 policy, refreshed every e
 CONFIG_TABLE = "config"  # config.json as uint8, so remote actors run the same configuration
 # The learner's exit code when a loss or parameter stopped being finite: restarting it would diverge again.
 EXIT_DIVERGED = 4
+# The replay service's exit code when its port was taken before it could bind it (the launcher may pick another).
+EXIT_PORT_TAKEN = 5
 
 
 def thread_env(threads: int) -> Dict[str, str]:
@@ -231,14 +232,3 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def port_in_use(port: int) -> bool:
-    """Whether something listens on `port` (connections lingering in TIME_WAIT do not count)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((LOOPBACK, port))
-        except OSError as error:
-            if error.errno == errno.EADDRINUSE:
-                return True
-            raise
-    return False

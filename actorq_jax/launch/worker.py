@@ -69,6 +69,7 @@ def main(argv: Optional[list] = None) -> int:
         run = dataclasses.replace(run, resume=True)  # a restarted learner or service continues from its checkpoint
     if args.role == "replay":
         from actorq_jax.launch.replay_service import run_replay_service
+        from actorq_jax.net import PortTaken
         from actorq_jax.replay.server import CheckpointMismatch
 
         # The service loop only polls and answers: run it on the main thread.
@@ -77,6 +78,9 @@ def main(argv: Optional[list] = None) -> int:
         except CheckpointMismatch as error:
             logging.error("%s", error)  # the run's own input, not a fault: its message, without a traceback
             return 2
+        except PortTaken as error:
+            logging.error("%s", error)
+            return runtime.EXIT_PORT_TAKEN
         return 0
     if args.role == "learner":
         from actorq_jax.launch.learner import run_learner

@@ -10,7 +10,7 @@ from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
 
 import reverb
 
-from actorq_jax.net import LOOPBACK
+from actorq_jax.net import LOOPBACK, PortTaken, port_in_use
 from actorq_jax.replay.packing import spec_label
 
 # One server_info probe waits at most this long (Reverb's deadline is whole seconds).
@@ -160,8 +160,13 @@ class ReplayServer:
         elif restore:
             raise ValueError(f"restore={restore!r} needs a checkpoint_dir")
         self.checkpoint_dir = checkpoint_dir
-        self._server: Optional[reverb.Server] = reverb.Server(
-            tables=list(tables), port=port, checkpointer=checkpointer)
+        try:
+            self._server: Optional[reverb.Server] = reverb.Server(
+                tables=list(tables), port=port, checkpointer=checkpointer)
+        except (RuntimeError, ValueError) as error:  # Reverb says only that gRPC did not start: say why if it is the port
+            if port is not None and port_in_use(port):
+                raise PortTaken(f"port {port} is taken by another process; the replay server cannot bind it") from error
+            raise
         self._port = self._server.port
         self._host = advertised_host
         self.table_names = tuple(table.name for table in tables)
