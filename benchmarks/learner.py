@@ -97,7 +97,7 @@ def make_builder(agent: str, hidden: int) -> Any:
 Advance = Callable[[], Tuple[int, Any]]
 
 
-def _synthetic_batch(builder: Any, seed: int) -> Any:
+def synthetic_batch(builder: Any, seed: int) -> Any:
     """A batch shaped as ReplayDataset(with_info=True) serves it: host numpy arrays, uniform sampling info."""
     import numpy as np
 
@@ -127,7 +127,7 @@ def _fill(client: Any, builder: Any, items: int, seed: int) -> None:
     from actorq_jax.replay import NStepAdder
 
     adder_config = builder.adder_config()
-    rows = _synthetic_batch(builder, seed).data
+    rows = synthetic_batch(builder, seed).data
     size = builder.batch_size
     with NStepAdder(client, adder_config.table, adder_config.n_step, adder_config.discount) as adder:
         t = 0
@@ -171,7 +171,7 @@ class _Worker:
         start = time.perf_counter()
         builder = make_builder(agent, hidden)
         initial = builder.init_state(jax.random.PRNGKey(0))
-        batch = _synthetic_batch(builder, seed=0)
+        batch = synthetic_batch(builder, seed=0)
         client, dataset = self._live(address, builder)
         feedback = builder.priority_feedback()  # the learner's write-back (None: uniform replay)
 
@@ -200,7 +200,7 @@ class _Worker:
                 return 1, metrics
             return advance
 
-        scan = stack_batches([_synthetic_batch(builder, seed) for seed in range(SCAN_STEPS)])
+        scan = stack_batches([synthetic_batch(builder, seed) for seed in range(SCAN_STEPS)])
         self.variants = {
             "step": one_step([fresh()], builder.sgd_step, batch, 1),
             "donate": one_step([fresh()], multi_sgd_step(builder.sgd_step, 1, donate=True), stack_batches([batch]), 1),

@@ -81,7 +81,7 @@ def worker(args: argparse.Namespace) -> int:
         _stand_in_reverb()
     import jax
     import numpy as np
-    from learner import _synthetic_batch
+    from learner import synthetic_batch
 
     from actorq_jax.agents.multi_step import multi_sgd_step, stack_batches
 
@@ -100,13 +100,13 @@ def worker(args: argparse.Namespace) -> int:
         if command["op"] == "setup":
             builder = _builder(command["agent"], command["hidden"], args.spec == "table")
             state = builder.init_state(jax.random.PRNGKey(0))
-            batch = _synthetic_batch(builder, seed=0)
+            batch = synthetic_batch(builder, seed=0)
             lowered = jax.jit(builder.sgd_step).lower(state, batch._replace(keys=None))
             # Newer jax answers None before compiling; the compiled count is then the one there is.
             cost = lowered.cost_analysis() or lowered.compile().cost_analysis()
             flops = float((cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"])
             scan = multi_sgd_step(builder.sgd_step, SCAN_STEPS)
-            stacked = stack_batches([_synthetic_batch(builder, seed) for seed in range(SCAN_STEPS)])
+            stacked = stack_batches([synthetic_batch(builder, seed) for seed in range(SCAN_STEPS)])
             with jax.default_matmul_precision("highest"):
                 after, _ = jax.jit(builder.sgd_step)(state, batch)
                 params = np.concatenate([np.ravel(np.asarray(x, np.float64))
