@@ -9,8 +9,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 import numpy as np
 import reverb
 
-from actorq_jax.replay.packing import ItemLayout
-from actorq_jax.replay.server import parse_address
+from actorq_jax.replay.server import parse_address, table_layout
 from actorq_jax.replay.types import Transition
 
 _REQUIRED = ("step_type", "reward", "discount", "observation")
@@ -86,7 +85,8 @@ class NStepAdder:
         self._gamma = float(discount)
         self._priority = float(priority)
         self._max_in_flight = int(max_in_flight_items)
-        self._layout = _table_layout(client, table, connect_timeout_s)
+        parse_address(client.server_address)
+        self._layout = table_layout(client, table, Transition._fields, connect_timeout_s)
         self._chunk_length = chunk_length
         # An item references only its own row, written at most chunk_length rows ago.
         # Rows are checked against the table's signature here (_cast, pack), not again by the writer.
@@ -298,15 +298,3 @@ def _check_timestep(timestep: Any) -> None:
         raise ValueError(f"expected a dm_env.TimeStep, got {type(timestep).__name__} missing {missing}")
 
 
-def _table_layout(client: reverb.Client, table: str, timeout_s: float) -> ItemLayout:
-    """The packed layout of the table's Transition items, from the server's signature."""
-    parse_address(client.server_address)
-    try:
-        infos = client.server_info(timeout=max(1, int(np.ceil(timeout_s))))
-    except reverb.DeadlineExceededError as error:
-        raise TimeoutError(
-            f"no Reverb server answered at {client.server_address} within {timeout_s:g} s") from error
-    if table not in infos:
-        raise ValueError(
-            f"table {table!r} not found on {client.server_address}; tables: {sorted(infos)}")
-    return ItemLayout.from_table(infos[table].signature, table, Transition._fields)

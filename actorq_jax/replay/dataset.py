@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any, Iterator, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 import reverb
 
-from actorq_jax.replay.packing import ItemLayout
-from actorq_jax.replay.server import wait_for_server
+from actorq_jax.replay.server import table_layout, wait_for_server
 from actorq_jax.replay.types import Transition
 
 
@@ -50,16 +48,13 @@ class ReplayDataset:
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0, got prefetch={prefetch!r}")
         client = wait_for_server(address, connect_timeout_s)
-        infos = client.server_info(timeout=max(1, math.ceil(connect_timeout_s)))
-        if table not in infos:
-            raise ValueError(f"table {table!r} not found on {address}; tables: {sorted(infos)}")
-        signature = infos[table].signature
-        self._layout = ItemLayout.from_table(signature, table, item_type._fields)
+        self._layout = table_layout(client, table, item_type._fields, connect_timeout_s)
         self.address = address
         self.table = table
         self.batch_size = batch_size
         self.with_info = with_info
         self.item_type = item_type
+        signature = self._layout.table_signature()  # the server's columns, as the layout read them
         dataset = reverb.TrajectoryDataset(
             server_address=address,
             table=table,

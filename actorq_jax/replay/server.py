@@ -11,7 +11,7 @@ from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
 import reverb
 
 from actorq_jax.net import LOOPBACK, PortTaken, port_in_use
-from actorq_jax.replay.packing import spec_label
+from actorq_jax.replay.packing import ItemLayout, spec_label
 
 # One server_info probe waits at most this long (Reverb's deadline is whole seconds).
 _PROBE_S = 1
@@ -63,6 +63,18 @@ def wait_for_server(address: str, timeout_s: float = 30.0, stop: Optional[Any] =
     raise TimeoutError(
         f"no Reverb server answered at {address} within {timeout_s:g} s "
         f"(is the learner running, and is the host:port right?); last error: {last_error}")
+
+
+def table_layout(client: reverb.Client, table: str, fields: Sequence[str], timeout_s: float) -> ItemLayout:
+    """The packed layout of `table`'s items, read from the server's signature; ValueError unless they hold `fields`."""
+    try:
+        infos = client.server_info(timeout=max(1, math.ceil(timeout_s)))
+    except reverb.DeadlineExceededError as error:
+        raise TimeoutError(
+            f"no Reverb server answered at {client.server_address} within {timeout_s:g} s") from error
+    if table not in infos:
+        raise ValueError(f"table {table!r} not found on {client.server_address}; tables: {sorted(infos)}")
+    return ItemLayout.from_table(infos[table].signature, table, fields)
 
 
 def prune_checkpoints(directory: Path, keep: Iterable[str]) -> None:
