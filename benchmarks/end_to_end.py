@@ -23,6 +23,10 @@ reached" (`-`), never counted as its budget. Energy to target prorates the run's
 energy to that time. The headline's time and energy ratios compare means over the runs
 that reached the target (q32 / q8), beside how many did; rates compare means over seeds
 (q8 / q32); the pinned layout's keys are plain, the shared layout's end in _shared.
+Where q=32 runs missed and every q=8 run reached, `time_to_target_speedup_q8_at_least`
+bounds the speedup from below: each miss counts as the time of its last evaluation. With
+`-- --stop_at_return 900` a run ends at its first evaluation at the target, so a grid
+costs the time to target of its runs rather than its full budget.
 """
 
 from __future__ import annotations

@@ -13,10 +13,10 @@ from launch_support import BENCHMARKS, ENV, ROOT, usage_error
 from actorq_jax.analysis.run_figures import bottleneck, core_load, measure_run
 from actorq_jax.telemetry import EVAL_FIELDS, CsvLogger, write_json
 
-HEADLINE = ("time_to_target_speedup_q8", "energy_to_target_ratio_q8", "env_steps_per_s_ratio_q8",
-            "learner_steps_per_s_ratio_q8", "final_return_q32", "final_return_q8", "runs_reached_target_q32",
-            "runs_reached_target_q8")
-TO_TARGET = ("time_to_target_speedup_q8", "energy_to_target_ratio_q8")
+HEADLINE = ("time_to_target_speedup_q8", "time_to_target_speedup_q8_at_least", "energy_to_target_ratio_q8",
+            "env_steps_per_s_ratio_q8", "learner_steps_per_s_ratio_q8", "final_return_q32", "final_return_q8",
+            "runs_reached_target_q32", "runs_reached_target_q8")
+TO_TARGET = ("time_to_target_speedup_q8", "time_to_target_speedup_q8_at_least", "energy_to_target_ratio_q8")
 
 
 def _fake_run(tmp_path: Path, returns, wall_seconds: float = 100.0) -> Path:
@@ -52,6 +52,7 @@ def test_a_run_that_misses_the_target_is_not_reached_and_never_counts_its_budget
     assert not figures["reached"]
     assert math.isnan(figures["time_to_target_s"]) and math.isnan(figures["env_steps_to_target"])
     assert math.isnan(figures["energy_to_target_kwh"])
+    assert figures["last_eval_s"] == 60.0  # watched that long without reaching it: a floor on its time to target
 
 
 def test_the_final_evaluation_counts_for_reaching_the_target(tmp_path):
@@ -66,6 +67,7 @@ def test_a_run_stopped_before_any_evaluation_has_nan_figures_not_an_error(tmp_pa
     write_json(run_dir / "summary.json", {**summary, "final_eval_return": None})
     figures = measure_run(run_dir, threshold=900.0)
     assert not figures["reached"] and math.isnan(figures["final_return"]) and math.isnan(figures["time_to_target_s"])
+    assert math.isnan(figures["last_eval_s"])
 
 
 def test_bottleneck_names_the_limiter_when_actors_mostly_wait():
@@ -180,6 +182,23 @@ def test_each_layout_has_its_headline_keys_computed_from_its_own_runs():
     assert pinned["time_to_target_speedup_q8"] == 2.0 and pinned["env_steps_per_s_ratio_q8"] == 1.5
     assert shared["env_steps_per_s_ratio_q8_shared"] == 2.0 and shared["runs_reached_target_q8_shared"] == 0.0
     assert math.isnan(shared["time_to_target_speedup_q8_shared"])  # q=8 reached nothing: no ratio, never its budget
+    assert pinned["time_to_target_speedup_q8_at_least"] == 2.0  # no miss: the bound is the speedup
+    assert math.isnan(shared["time_to_target_speedup_q8_at_least_shared"])
+
+
+def test_a_q32_miss_bounds_the_speedup_from_below_by_how_long_it_was_watched():
+    from actorq_jax.analysis.run_figures import speedup_at_least
+
+    def row(bits, seconds, last_eval):
+        return {"layout": "pinned", "bits": bits, "reached": seconds == seconds, "time_to_target_s": seconds,
+                "last_eval_s": last_eval}
+
+    q32 = [row(32, 1200.0, 1200.0), row(32, math.nan, 1790.0), row(32, math.nan, 1795.0)]
+    q8 = [row(8, 600.0, 600.0), row(8, 700.0, 700.0), row(8, 800.0, 800.0)]
+    # Misses count as their last evaluation's time: (1200 + 1790 + 1795) / 3 over (600 + 700 + 800) / 3.
+    assert speedup_at_least(q32, q8) == pytest.approx(4785 / 2100)
+    # One q=8 miss: its mean would be over the faster runs only, so no bound.
+    assert math.isnan(speedup_at_least(q32, [*q8[:2], row(8, math.nan, 1800.0)]))
 
 
 def test_a_finished_run_with_the_same_flags_is_kept_and_any_other_is_run_again(tmp_path):
