@@ -304,12 +304,13 @@ def test_resume_continues_learner_steps_and_env_steps(tmp_path):
 # so the replay service's bind is what finds the port taken (another process won the race after the pick).
 _PORT_RACE = """
 import socket, sys
+from actorq_jax import net
 from actorq_jax.launch import runtime
 held = socket.socket(); held.bind(("127.0.0.1", 0)); held.listen(1)
 picks = iter([held.getsockname()[1]])
 real_free_port = runtime.free_port
 runtime.free_port = lambda: next(picks, None) or real_free_port()
-runtime.port_in_use = lambda port: False
+net.port_in_use = lambda port: False
 from actorq_jax.launch.launcher import run_experiment
 sys.exit(run_experiment("d4pg", sys.argv[1:]))
 """

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, TextIO
 
+from actorq_jax import net
 from actorq_jax.launch import runtime
 from actorq_jax.launch.channel import FileChannel, RunChannel, make_channel
 from actorq_jax.launch.checkpoint import read_counters
@@ -147,10 +148,10 @@ class Launcher:
         self.workers.extend([replay, learner])
         exit_code = 0
         try:
-            while self.port_chosen and runtime.port_in_use(run.port):  # taken since the pick: pick again
+            while self.port_chosen and net.port_in_use(run.port):  # taken since the pick: pick again
                 run = self.run = dataclasses.replace(run, port=runtime.free_port())
                 save_config(self.dir.config, run, self.agent_config)
-            if runtime.port_in_use(run.port):
+            if net.port_in_use(run.port):
                 raise PortTaken(f"port {run.port} (the replay service's, from {self.dir.config}) is "
                                 f"taken by another process; stop it, or start a new run")
             exit_code = self._start_run(replay, learner, progress_factory=lambda: ProgressLine(self.stream),

@@ -7,7 +7,7 @@ import socket
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-from actorq_jax.net import LOOPBACK, port_in_use  # noqa: F401  (port_in_use: the launcher's, through this module)
+from actorq_jax.net import LOOPBACK
 
 # The backends a run launches its workers on (--launcher).
 LAUNCHERS = ("local", "ray")
