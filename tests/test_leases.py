@@ -73,3 +73,16 @@ def test_a_restarted_launcher_actor_takes_its_slot_over_and_a_dead_holders_lease
     back = IdLease(service, 5)
     back.acquire(timeout_s=10)
     back.release()
+
+
+@pytest.mark.timeout(60)
+def test_a_lease_released_without_telling_the_server_stays_held_until_it_expires(service):
+    quiet = IdLease(service, 4, ttl_s=1.0)
+    quiet.acquire(timeout_s=10)
+    quiet.release(tell_server=False)  # as an actor whose service is gone: no message to wait out
+    with pytest.raises(IdTaken):
+        IdLease(service, 4).acquire(timeout_s=10)
+    time.sleep(1.5)  # past its time to live, unrenewed
+    back = IdLease(service, 4)
+    back.acquire(timeout_s=10)
+    back.release()

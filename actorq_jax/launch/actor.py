@@ -384,7 +384,7 @@ def run_actor(
         log.error("%s", gone)  # the one line that says why this actor stops
         return EXIT_SERVER_GONE
     finally:
-        lease.release()
+        lease.release(tell_server=gone is None)
         logger.close()
         actor.close(server_gone=gone is not None)
         if forwarder is not None and (gone is not None or not forwarder.wait_acknowledged(ACK_WAIT_S)):
