@@ -219,10 +219,10 @@ def test_dqn_on_a_local_ray_instance_stops_on_sigterm_and_leaves_no_process(tmp_
 
 @pytest.fixture(scope="module")
 def cluster(ray_environment):
-    """A head (the learner's node) and two actor nodes, all on 127.0.0.1."""
+    """A head (the learner's and the replay service's node) and two actor nodes, all on 127.0.0.1."""
     from ray.cluster_utils import Cluster
 
-    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"learner_node": 1},
+    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"learner_node": 1, "service_node": 1},
                                                          "node_ip_address": "127.0.0.1"})
     workers = [nodes.add_node(num_cpus=1, resources={"actor_node": 2}, node_ip_address="127.0.0.1") for _ in range(2)]
     nodes.wait_for_nodes()
@@ -245,9 +245,10 @@ def _node_of_worker(workers, role_args: List[str]):
 
 
 def _cluster_run(nodes, results: Path, actor_node: int, env_steps: int) -> subprocess.Popen:
-    """Two actors needing `actor_node` each (2 fills an actor node), the learner on the head."""
+    """Two actors needing `actor_node` each (2 fills an actor node), the learner and the replay service on the head
+    (so that losing an actor node takes actors only, whichever node Ray picked for them)."""
     return _launch(results, *TINY, "--ray_address", nodes.address, "--learner_resources", "learner_node=1",
-                   "--actor_resources", f"actor_node={actor_node}", "--num_actors", "2",
+                   "--replay_resources", "service_node=1", "--actor_resources", f"actor_node={actor_node}", "--num_actors", "2",
                    "--max_env_steps", str(env_steps))
 
 
@@ -263,7 +264,9 @@ def test_learner_and_actors_on_separate_nodes(cluster, tmp_path):
     node_of = {e.split(" ", 1)[0]: e.rsplit(" ", 1)[1] for e in placed}
     # actor_node=2 fills a node: one actor per actor node, neither on the learner's.
     assert len({node_of["learner"], node_of["actor_0"], node_of["actor_1"]}) == 3, placed
-    # The evaluator fetches every published policy from the replay service's server: it goes beside it.
+    # The replay service went where --replay_resources asked (the head); the evaluator, which fetches every
+    # published policy from the service's server, goes beside it.
+    assert node_of["replay"] == node_of["learner"]
     assert node_of["evaluator"] == node_of["replay"]
     assert status(results)["phase"] == "done"
     # Each of the three nodes measured its own energy: a row each, summed in the summary.
@@ -298,6 +301,7 @@ def test_a_lost_node_brings_its_actor_back_on_another(cluster, tmp_path):
             proc.kill()
     summary = _assert_complete(results, 2)
     assert any(e.startswith("actor_0 died") and "restart 1/" in e for e in summary["events"]), out[-3000:]
+    assert not any(e.startswith(("replay died", "learner died")) for e in summary["events"]), summary["events"]
     assert any(e.startswith("actor_0 (incarnation 1) on node") for e in summary["events"]), summary["events"]
     assert summary["env_steps"] >= 5000
     assert env_steps == sorted(env_steps), "env steps went backwards"
