@@ -168,7 +168,9 @@ def test_killed_launcher_takes_every_worker_and_remote_actors_leave(tmp_path):
 @pytest.mark.timeout(420)
 def test_a_run_whose_actors_are_all_gone_stops_instead_of_waiting_for_its_budget(tmp_path):
     results = tmp_path / "run"
-    proc = start_run(results, *TINY, "--num_actors", "1", "--max_actor_restarts", "0", "--max_seconds", "600")
+    # --server_timeout_s is also how long the run waits, its actors all gone, for a remote actor's env step.
+    proc = start_run(results, *TINY, "--num_actors", "1", "--max_actor_restarts", "0", "--max_seconds", "600",
+                     "--server_timeout_s", "10")
     try:
         # A loaded machine may take minutes to import and compile before the first step.
         wait_for(lambda: status(results).get("learner_steps", 0) > 0, 240, "SGD steps", proc)
@@ -184,7 +186,8 @@ def test_a_run_whose_actors_are_all_gone_stops_instead_of_waiting_for_its_budget
     assert stopped_after < 150, stopped_after
     summary = json.loads((results / "summary.json").read_text())
     assert summary["exit_code"] == 1
-    assert any(e.startswith("every actor died after its restarts") for e in summary["events"]), summary["events"]
+    assert any(e.startswith("every actor died after its restarts and no env step arrived for 10 s")
+               for e in summary["events"]), summary["events"]
     assert summary["learner_steps"] > 0 and read_counters(results / "checkpoints")
 
 

@@ -74,7 +74,8 @@ class RunConfig:
     max_replay_restarts: int = documented(
         2, "times the launcher restarts a dead replay service from its last checkpoint (same port) before stopping the run")
     server_timeout_s: float = documented(
-        60.0, "seconds a worker keeps reconnecting to an unreachable replay service before it exits non-zero")
+        60.0, "seconds a worker keeps reconnecting to an unreachable replay service before it exits non-zero; "
+            "also how long a run whose own actors all died waits for an env step from a remote one")
     port: int = documented(0, "Reverb port of the replay service (0: a free one)")
     launcher: str = documented(
         "local", f"where workers run, one of {LAUNCHERS}: local subprocesses, or Ray actors on a cluster's nodes")

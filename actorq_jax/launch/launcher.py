@@ -40,9 +40,6 @@ START_TIMEOUT_S = 300.0
 ACTOR_STOP_TIMEOUT_S = 20.0
 LEARNER_FINAL_TIMEOUT_S = 180.0
 EVALUATOR_FINAL_TIMEOUT_S = 600.0
-# With every launcher actor gone for good, the run stops once no env step has arrived for this long
-# (remote actors, if any, keep it going): the learner would otherwise wait on replay until its budget.
-NO_ACTORS_STALL_S = 30.0
 # Starts on a fresh port when another process took the launcher's pick before the service bound it.
 PORT_ATTEMPTS = 3
 LEARNER_RESTART_STOP_S = 10.0
@@ -265,8 +262,12 @@ class Launcher:
             now = time.monotonic()
             if env_steps != seen_steps:
                 seen_steps, seen_at = env_steps, now
-            elif actors and all(w.gave_up for w in actors) and now - seen_at >= NO_ACTORS_STALL_S:
-                self._say(f"every actor died after its restarts and no env step arrived for {NO_ACTORS_STALL_S:.0f} s; "
+            elif actors and all(w.gave_up for w in actors) and now - seen_at >= run.server_timeout_s:
+                # With every launcher actor gone for good the learner would wait on replay until its budget;
+                # remote actors, if any, keep the run going, and one that lost the service is given its whole
+                # reconnection window (--server_timeout_s) before the run gives up on it.
+                self._say(f"every actor died after its restarts and no env step arrived for {run.server_timeout_s:g} s "
+                          f"(--server_timeout_s); "
                           f"stopping the run (everything collected is kept)")
                 return 1
             if now - last_time >= 2.0:
