@@ -73,6 +73,11 @@ def test_budget_run_leaves_a_complete_results_directory(tmp_path):
     from actorq_jax import kernels
 
     assert summary["actor_policy_backends"] == [f"int8/w8a8/{kernels.kernel_path()}"], summary["actor_policy_backends"]
+    # The machine that ran it: its CPU's name, and its vendor, family and model numbers, which tell apart CPUs
+    # of one name.
+    from actorq_jax.telemetry.machine import cpu_id, cpu_model
+
+    assert summary["machine"] == {"cpu": cpu_model(), "cpu_id": cpu_id(), "cores": os.cpu_count()}
     assert summary["final_eval_return"] == summary["final_eval_return"]  # not NaN: a final evaluation ran
     # The run's processes met on the loopback; the hint for other machines names none of its addresses.
     joins = [e for e in summary["events"] if "remote actors join with" in e]

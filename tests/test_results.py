@@ -177,8 +177,16 @@ def test_actor_time_breakdown_ms_per_step(synthetic_sweep):
 
 def test_load_sweep_reads_runs_and_slices(synthetic_sweep, tmp_path):
     _write_run(synthetic_sweep, 16, 0, [(10, 0, 0, 1.0)], summary=False)  # a run still going: no summary.json
+    summary_path = synthetic_sweep / "d4pg_cartpole_balance_q8_s1" / "summary.json"
+    summary = json.loads(summary_path.read_text())
+    summary["machine"] = {"cpu": "AMD EPYC", "cpu_id": "AuthenticAMD family 26 model 2", "cores": 2}
+    summary_path.write_text(json.dumps(summary))
     sweep = analysis.load_sweep(synthetic_sweep)
     assert sweep.runs["bits"].tolist() == [32, 32, 16, 8, 8]
+    # Which machine ran it, where the summary says (two "AMD EPYC"s apart by family and model); older runs: missing.
+    machines = sweep.runs["machine"]
+    assert machines.isna().tolist() == [True, True, True, True, False]
+    assert machines.iloc[-1] == "AMD EPYC (AuthenticAMD family 26 model 2)"
     assert sweep.runs.loc[sweep.runs["bits"] == 16, "complete"].tolist() == [False]
     assert math.isnan(sweep.runs.loc[sweep.runs["bits"] == 16, "energy_kwh"].iloc[0])
     assert set(sweep.evals["policy_bits"]) == {32, 16, 8}

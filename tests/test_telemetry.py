@@ -360,3 +360,19 @@ def test_phase_timer_keeps_the_threads_cpu_time_beside_the_wall_time():
     assert timer.cpu_totals() == {"adder": 1.0, "inference": 2.0, "pull": 0.25}
     timer.reset()
     assert timer.cpu_totals() == {}
+
+
+def test_cpu_id_reads_vendor_family_and_model_of_the_first_processor(tmp_path, monkeypatch):
+    import builtins
+
+    from actorq_jax.telemetry import machine
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\n"
+                       "model name\t: AMD EPYC\n\nprocessor\t: 1\nvendor_id\t: Other\ncpu family\t: 1\nmodel\t\t: 2\n")
+    real_open = builtins.open
+    monkeypatch.setattr(builtins, "open", lambda path, *a, **k: real_open(cpuinfo if path == "/proc/cpuinfo" else path, *a, **k))
+    assert machine.cpu_id() == "AuthenticAMD family 25 model 17"
+    assert machine.machine_info()["cpu_id"] == "AuthenticAMD family 25 model 17"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: some ARM core\n")  # no family or model numbers
+    assert machine.cpu_id() == ""

@@ -32,7 +32,7 @@ RUN_COLUMNS = (
     "actor_backend", "complete", "exit_code", "wall_seconds", "env_steps", "learner_steps",
     "env_steps_per_second", "energy_kwh", "emissions_kg", "final_eval_return", "best_eval_return",
     "final_eval_return_actor_policy", "best_eval_return_actor_policy", "actor_episodes", "cpu_clock", "replay_cpu_s",
-    "actor_policy_backends",
+    "actor_policy_backends", "machine",
 ) + tuple(f"actor_{p}_s" for p in PHASES)
 # Run metadata copied onto every row of the per-run streams.
 META_COLUMNS = ("run", "task", "bits", "seed")
@@ -128,6 +128,10 @@ def read_run(run_dir: PathLike) -> Dict[str, Any]:
                 row[key] = _nan_if_none(summary[key])
         # The replay service's CPU seconds (launcher-measured; runs before that, or under Ray: NaN).
         row["replay_cpu_s"] = _nan_if_none((summary.get("worker_cpu_s") or {}).get("replay"))
+        # The launcher's CPU, with its family and model numbers (runs before it was recorded: None).
+        machine = summary.get("machine") or {}
+        row["machine"] = (f"{machine.get('cpu')} ({machine['cpu_id']})" if machine.get("cpu_id")
+                          else machine.get("cpu")) or None
         # What computed the actors' policies ("int8/w8a8/amx", ...; runs before it was recorded: None).
         row["actor_policy_backends"] = ",".join(summary.get("actor_policy_backends") or []) or None
         for phase, seconds in (summary.get("actor_time_s") or {}).items():

@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Union
 
 from actorq_jax.analysis.loading import SWEEP_INDEX, find_run_dirs, is_run_dir
 from actorq_jax.run_dir import STOP_EVENT, RunDir
-from actorq_jax.telemetry.machine import cpu_model
+from actorq_jax.telemetry.machine import cpu_id, cpu_model
 
 PathLike = Union[str, Path]
 RECORD_FILES = (RunDir.CONFIG, RunDir.SUMMARY, RunDir.EVAL_CSV, RunDir.LEARNER_CSV)
@@ -110,7 +110,7 @@ def collect(source: PathLike, records_root: PathLike, study: str) -> List[Path]:
         "finished": sweep_index.get("finished"),
         "runs_collected": sorted(set(earlier) | {p.name for p in written}),
         "collected": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "collected_on": {"cpu": cpu_model(), "cores": os.cpu_count()},
+        "collected_on": {"cpu": cpu_model(), "cpu_id": cpu_id(), "cores": os.cpu_count()},
     }
     index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return written

@@ -386,6 +386,7 @@ class Launcher:
 
         from actorq_jax.analysis.aggregate import final_and_best_returns
         from actorq_jax.telemetry import ACTOR_PHASES
+        from actorq_jax.telemetry.machine import cpu_id, cpu_model
         from actorq_jax.telemetry.schema import CPU_CLOCK
 
         counters = self._counters(exit_code)
@@ -409,6 +410,8 @@ class Launcher:
             "energy_nodes": int(energy.get("energy_nodes", 1)),
             "events": self.events,
             "cpu_clock": CPU_CLOCK,  # what the CPU columns of the actor CSVs and learner.csv measured
+            # The launcher's machine (under Ray, the driver's; its workers' nodes are in the events).
+            "machine": {"cpu": cpu_model(), "cpu_id": cpu_id(), "cores": os.cpu_count()},
         }
         for policy, suffix in (("fp32", ""), ("actor", "_actor_policy")):
             final, best = final_and_best_returns(evals, policy)

@@ -17,6 +17,24 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_id() -> str:
+    """The CPU's vendor, family and model numbers ("AuthenticAMD family 25 model 17"): what tells apart two CPUs
+    whose model names read the same (a cloud's "AMD EPYC" is a Zen 3, 4 or 5); "" where /proc/cpuinfo says none."""
+    fields: Dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if not line.strip():
+                    break  # the first processor's block is enough
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
+    except OSError:
+        return ""
+    if "cpu family" not in fields or "model" not in fields:
+        return ""
+    return f"{fields.get('vendor_id', 'unknown')} family {fields['cpu family']} model {fields['model']}"
+
+
 def cpu_has(flag: str) -> bool:
     """Whether /proc/cpuinfo lists ``flag`` among the CPU's flags (False where it cannot be read)."""
     try:
@@ -35,4 +53,5 @@ def machine_info() -> Dict[str, Any]:
     except ImportError:
         jax_version = "unknown"
     load = [round(v, 2) for v in os.getloadavg()] if hasattr(os, "getloadavg") else None
-    return {"cpu": cpu_model(), "cores": os.cpu_count(), "jax": jax_version, "loadavg_1_5_15": load}
+    return {"cpu": cpu_model(), "cpu_id": cpu_id(), "cores": os.cpu_count(), "jax": jax_version,
+            "loadavg_1_5_15": load}
