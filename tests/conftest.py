@@ -10,8 +10,10 @@ module-scoped fixture (a sweep, a Ray cluster) keep their tests on one worker wi
 and modules with `slow` tests are collected first, so that no long test starts last while others idle.
 """
 
+import faulthandler
 import multiprocessing.process
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,9 +22,20 @@ from typing import Any, List
 import pytest
 from launch_support import RAY_SETTINGS, SHARED_ENV
 
+# Where a SIGTERM that ends a test process writes its stacks: a copy of stderr made before pytest captures fd 2
+# per test (what it captured is lost with the process). Kept open for the process's life.
+_SIGNAL_REPORT = None
+
 
 def pytest_configure(config: pytest.Config) -> None:
     """Sets the shared environment for the whole test run, before any test module is imported."""
+    global _SIGNAL_REPORT
+    # A pytest-xdist worker ended by a signal is reported as "node down: Not properly terminated" and nothing
+    # else; its threads' stacks at the SIGTERM say what it was doing (SIGKILL leaves no trace at all).
+    _SIGNAL_REPORT = os.fdopen(os.dup(2), "w")
+    faulthandler.register(signal.SIGTERM, file=_SIGNAL_REPORT, all_threads=True, chain=True)
+    # Not in children forked by a test (multiprocessing's), which tests end with SIGTERM on purpose.
+    os.register_at_fork(after_in_child=lambda: faulthandler.unregister(signal.SIGTERM))
     os.environ.update(SHARED_ENV)
     # Ray's client keeps the auth mode and token it first reads: whichever test imports Ray first must
     # already see the ones every Ray instance of this test process is started with.
