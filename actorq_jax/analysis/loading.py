@@ -128,7 +128,7 @@ def read_run(run_dir: PathLike) -> Dict[str, Any]:
                 row[key] = _nan_if_none(summary[key])
         # The replay service's CPU seconds (launcher-measured; runs before that, or under Ray: NaN).
         row["replay_cpu_s"] = _nan_if_none((summary.get("worker_cpu_s") or {}).get("replay"))
-        # The launcher's CPU, with its family and model numbers (runs before it was recorded: None).
+        # The launcher's CPU, with its family and model numbers (runs before it was recorded: missing).
         machine = summary.get("machine") or {}
         row["machine"] = (f"{machine.get('cpu')} ({machine['cpu_id']})" if machine.get("cpu_id")
                           else machine.get("cpu")) or None
