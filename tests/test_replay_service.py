@@ -128,6 +128,46 @@ def test_a_checkpoint_request_outlasts_a_busy_server_and_allows_for_the_tables_s
 
 
 @pytest.mark.process
+@pytest.mark.timeout(180)
+def test_a_checkpoint_asked_of_a_service_that_restarted_before_writing_it_is_given_up_at_once(tmp_path, caplog):
+    import dataclasses
+
+    from actorq_jax.launch.replay_service import ReplayService
+
+    with dqn_service_learner_actor(tmp_path, server_timeout_s=60.0) as (service, learner, actor):
+        while learner.items() < 60:
+            actor.run_episode()
+        while learner.step() is None:
+            pass
+        service.report("running")
+        # Nobody serves the request: the service dies with it unanswered, as one SIGKILLed while writing would.
+        assert learner.checkpoint(wait=False) is False and learner.checkpoint_pending
+        port = service.server.port
+        service.stop()
+        restarted = ReplayService(learner.builder, dataclasses.replace(service.run, port=port), tmp_path, "{}",
+                                  resume=False)
+        try:
+            restarted.report("running")
+            began = time.monotonic()
+            # Its deadline is the service timeout (60 s) and more; the new incarnation gives it up at once.
+            assert learner.finish_checkpoint(wait=True) is False and not learner.checkpoint_pending
+            assert time.monotonic() - began < 30.0
+            assert "the replay service restarted before writing it" in caplog.text
+            assert not (tmp_path / "checkpoints" / str(learner.steps)).exists()
+            # The next checkpoint goes to the new incarnation and is written.
+            stop = threading.Event()
+            served = restarted.serve_in_thread(stop)
+            try:
+                learner.step()
+                assert learner.checkpoint(wait=True)
+            finally:
+                stop.set()
+                served.join()
+        finally:
+            restarted.stop()
+
+
+@pytest.mark.process
 @pytest.mark.timeout(300)
 def test_sgd_goes_on_while_the_service_writes_a_checkpoint_which_keeps_the_state_of_its_step(tmp_path, monkeypatch):
     import jax
@@ -277,6 +317,9 @@ def test_killed_service_comes_back_on_its_port_with_its_items_and_nobody_else_re
     summary = json.loads((results / "summary.json").read_text())
     assert summary["replay_restarts"] == 1 and summary["learner_restarts"] == 0, output
     assert "replay service back on port" in output
+    # A checkpoint asked of the killed service (if one was pending) was given up when the new one reported,
+    # not after the request's 60 s timeout, which would have held SGD and, through the limiter, the actors.
+    assert "did not write one in time" not in (results / "logs" / "learner.log").read_text()
 
 
 @pytest.mark.process

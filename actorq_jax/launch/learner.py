@@ -70,6 +70,7 @@ class PendingCheckpoint(NamedTuple):
     state: Any
     counters: Dict[str, Any]
     deadline: float  # time.monotonic() past which it is given up
+    incarnation: Optional[str]  # of the service asked (None: not known); a restarted one never answers
 
 
 class Learner:
@@ -93,6 +94,8 @@ class Learner:
         log.info("waiting for the replay service at %s", address)
         self.client = wait_for_server(address, max(run.server_timeout_s, SERVICE_START_TIMEOUT_S), stop=stop)
         self.service = ServiceClient(self.client, run.server_timeout_s)
+        # The service's status reports: which incarnation of it answers on the address now.
+        self._service_status = make_channel(run, results_dir, address)
         # What the learner writes back to replay after each step (None: nothing, uniform replay); it goes on
         # from the checkpoint, and tells actors through the variables' meta where new items enter.
         self.feedback = builder.priority_feedback()
@@ -208,13 +211,18 @@ class Learner:
             # at most every transition so far, or its capacity: the wait allows for writing that many.
             items = min(counters["env_steps"], int(self.builder.replay_config().max_size))
             keep = [c.get("replay_checkpoint") for c in self.checkpointer.kept_counters()]
+            incarnation = self.service_incarnation()
             request_id = self.service.send(checkpoint_request(name, keep))
         except SERVICE_ERRORS as error:
             log.warning("no checkpoint at step %d: the replay service could not write one (%s)", self.steps, error)
             return False
         self._pending = PendingCheckpoint(request_id, self.steps, self.state, counters,
-                                          time.monotonic() + self.service.checkpoint_timeout_s(items))
+                                          time.monotonic() + self.service.checkpoint_timeout_s(items), incarnation)
         return self.finish_checkpoint(wait=wait)
+
+    def service_incarnation(self) -> Optional[str]:
+        """The incarnation the replay service reports (None before its first report)."""
+        return self._service_status.read("replay").get("incarnation")
 
     @property
     def checkpoint_pending(self) -> bool:
@@ -243,6 +251,13 @@ class Learner:
                 return False
             if reply is not None:
                 break
+            if pending.incarnation is not None and self.service_incarnation() not in (None, pending.incarnation):
+                # A service restarted from its last checkpoint starts with no requests: waiting out the deadline
+                # would stall SGD (and, under a rate limiter, the actors) for nothing.
+                log.warning("no checkpoint at step %d: the replay service restarted before writing it; the next "
+                            "checkpoint period makes one", pending.steps)
+                self._pending = None
+                return False
             if time.monotonic() >= pending.deadline:
                 log.warning("no checkpoint at step %d: the replay service did not write one in time", pending.steps)
                 self._pending = None

@@ -176,6 +176,9 @@ class ReplayService:
                                                                  run.num_actors)
         self.leases = LeaseBook(self.client)
         self.restored = {"checkpoint": restore, "items": self.items()}
+        # Tells this service apart from the one it replaced on the same port (whose unanswered requests are gone).
+        self.incarnation = uuid.uuid4().hex
+        self._stopped = False
         # Restored from a checkpoint, the insert count goes back to the checkpoint's; the run's env-step count
         # goes on from this service's last report instead (the steps since were taken, though their items are lost).
         last = self.channel.read("replay").get("env_steps", 0) if resume else 0
@@ -255,10 +258,14 @@ class ReplayService:
             "items": self.items(),
             "checkpoints": self.checkpoints,
             "restored": self.restored,
+            "incarnation": self.incarnation,
         })
 
     def stop(self) -> None:
-        """Writes the last waiting actor rows and stops the server."""
+        """Writes the last waiting actor rows and stops the server (idempotent)."""
+        if self._stopped:
+            return
+        self._stopped = True
         try:
             self.drain_rows()
         finally:
