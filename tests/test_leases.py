@@ -33,6 +33,16 @@ def service():
     server.stop()
 
 
+def _held_until_it_expires(service, actor_id):
+    """Another actor is refused `actor_id` while its 1 s lease lives, and gets it once the lease has expired."""
+    with pytest.raises(IdTaken):
+        IdLease(service, actor_id).acquire(timeout_s=10)
+    time.sleep(1.5)  # past its time to live, unrenewed
+    back = IdLease(service, actor_id)
+    back.acquire(timeout_s=10)
+    back.release()
+
+
 @pytest.mark.timeout(60)
 def test_a_second_actor_asking_for_a_held_id_is_refused_naming_the_holder(service):
     first = IdLease(service, 7)
@@ -67,12 +77,7 @@ def test_a_restarted_launcher_actor_takes_its_slot_over_and_a_dead_holders_lease
     gone = IdLease(service, 5, ttl_s=1.0)
     gone.acquire(timeout_s=10)
     gone._stop.set()
-    with pytest.raises(IdTaken):
-        IdLease(service, 5).acquire(timeout_s=10)
-    time.sleep(1.5)  # past its time to live, unrenewed
-    back = IdLease(service, 5)
-    back.acquire(timeout_s=10)
-    back.release()
+    _held_until_it_expires(service, 5)
 
 
 @pytest.mark.timeout(60)
@@ -80,9 +85,4 @@ def test_a_lease_released_without_telling_the_server_stays_held_until_it_expires
     quiet = IdLease(service, 4, ttl_s=1.0)
     quiet.acquire(timeout_s=10)
     quiet.release(tell_server=False)  # as an actor whose service is gone: no message to wait out
-    with pytest.raises(IdTaken):
-        IdLease(service, 4).acquire(timeout_s=10)
-    time.sleep(1.5)  # past its time to live, unrenewed
-    back = IdLease(service, 4)
-    back.acquire(timeout_s=10)
-    back.release()
+    _held_until_it_expires(service, 4)
