@@ -491,6 +491,10 @@ def test_bad_payload_is_rejected_once_and_last_params_kept():
             insert_wire(stray, "variables", [np.frombuffer(b"{not json", np.uint8)])
             client.refresh(timeout_s=10)
             assert client.rejected == 2 and client.version == 5
+            # After a service pause the client reconnects; the bad item, still the latest, is not rejected again.
+            client.reconnect()
+            client.refresh(timeout_s=10)
+            assert client.rejected == 2 and client.errors == 2 and client.version == 5
             publisher.publish(small_params(3), version=7)
             client.refresh(timeout_s=10)
             assert client.version == 7 and client.rejected == 2

@@ -116,7 +116,7 @@ class VariableClient:
     chained) by the next `update()`/`refresh()` call when `raise_errors` (default),
     otherwise logged and counted in `errors`. A payload that is malformed or does
     not fit `like` also counts in `rejected` and is logged once (the same item is
-    not pulled again); an unreachable server is logged once per outage.
+    not pulled again, nor decoded again after `reconnect()`); an unreachable server is logged once per outage.
     Thread-safe: `params`, `version` and `timings` may be read from any thread.
     """
 
@@ -138,6 +138,7 @@ class VariableClient:
         self._params: Any = None
         self._version: Optional[int] = None
         self._seen_inserts = -1
+        self._rejected_key: Optional[int] = None
         self._timings: List[RefreshTiming] = []
         self._error: Optional[BaseException] = None
         self._requested = 0
@@ -316,12 +317,18 @@ class VariableClient:
         sample = next(client.sample(self.table, num_samples=1, emit_timesteps=False))
         arrays = list(sample.data)
         t1, c1 = time.perf_counter(), time.thread_time()
-        # A bad item is rejected once: its insert count is not pulled again.
+        # A bad item is rejected once: its insert count is not pulled again, and its key is not decoded again
+        # after a reconnect (a paused or restored service can still hold it until the learner's next publish).
         self._seen_inserts = inserts
+        key = int(np.asarray(sample.info.key).reshape(-1)[0])
+        if key == self._rejected_key:
+            self.skipped += 1
+            return
         try:
             qparams, version = from_wire(arrays, like=self._like)
             meta = wire_meta(arrays)
         except ValueError as error:
+            self._rejected_key = key
             raise PayloadRejected(str(error)) from error
         t2, c2 = time.perf_counter(), time.thread_time()
         if version == self.version:
