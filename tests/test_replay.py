@@ -474,6 +474,33 @@ def test_update_counts_several_env_steps_at_once():
 
 @pytest.mark.process
 @pytest.mark.timeout(60)
+def test_a_bad_payload_restored_from_a_checkpoint_is_not_rejected_twice(tmp_path):
+    # A service checkpointed while the bad item was the latest comes back holding it; the client reconnects.
+    server = ReplayServer([make_variables_table()], checkpoint_dir=tmp_path)
+    port = server.port
+    try:
+        publisher = VariablePublisher(wait_for_server(server.address, 10), config=INT8)
+        publisher.publish(small_params(1), version=5)
+        with VariableClient(server.address, update_period=1, raise_errors=False) as client:
+            client.wait_for_first(timeout_s=20)
+            insert_wire(reverb.Client(server.address), "variables", [np.frombuffer(b"{not json", np.uint8)])
+            client.refresh(timeout_s=10)
+            assert client.rejected == 1 and client.version == 5
+            server.checkpoint("bad")
+            server.stop()
+            server = ReplayServer([make_variables_table()], port=port, checkpoint_dir=tmp_path, restore="bad")
+            client.reconnect()
+            client.refresh(timeout_s=10)
+            assert client.rejected == 1 and client.errors == 1 and client.version == 5
+            VariablePublisher(wait_for_server(server.address, 10), config=INT8).publish(small_params(2), version=6)
+            client.refresh(timeout_s=10)
+            assert client.version == 6 and client.rejected == 1
+    finally:
+        server.stop()
+
+
+@pytest.mark.process
+@pytest.mark.timeout(60)
 def test_bad_payload_is_rejected_once_and_last_params_kept():
     with ReplayServer([make_variables_table()]) as server:
         publisher = VariablePublisher(wait_for_server(server.address, 10), config=INT8)
