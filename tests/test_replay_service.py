@@ -4,13 +4,15 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
 import numpy as np
 import psutil
 import pytest
-from launch_support import TINY, rows, start_run, status, stop_all, wait_for, worker_process
+from launch_support import ENV, ROOT, TINY, rows, start_run, status, stop_all, wait_for, worker_process
 from service_support import dqn_service_learner_actor
 
 from actorq_jax.launch.checkpoint import read_counters
@@ -320,6 +322,73 @@ def test_killed_service_comes_back_on_its_port_with_its_items_and_nobody_else_re
     # A checkpoint asked of the killed service (if one was pending) was given up when the new one reported,
     # not after the request's 60 s timeout, which would have held SGD and, through the limiter, the actors.
     assert "did not write one in time" not in (results / "logs" / "learner.log").read_text()
+
+
+# The launcher's run, with the dead service's port taken (by this wrapper, standing for another process) just
+# before the launcher restarts the service: the restart finds it taken, as one racing another program would.
+_PORT_STOLEN = """
+import socket, sys
+from actorq_jax.launch.launcher import Launcher, run_experiment
+held = []
+restart_service = Launcher._restart_service
+def steal_then_restart(self, replay):
+    if not held:
+        thief = socket.socket()
+        thief.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # the dead service's connections linger
+        thief.bind(("127.0.0.1", self.run.port))
+        thief.listen(1)
+        held.append(thief)
+    return restart_service(self, replay)
+Launcher._restart_service = steal_then_restart
+sys.exit(run_experiment("d4pg", sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.process
+@pytest.mark.timeout(400)
+def test_a_service_that_comes_back_at_a_new_address_is_followed_by_the_learner_and_actors(tmp_path):
+    results = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-c", _PORT_STOLEN, *TINY, "--num_actors", "1", "--max_seconds", "200",
+                             "--results_dir", str(results)], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        counters = wait_for(lambda: (read_counters(results / "checkpoints") or {}).get("replay_checkpoint")
+                            and read_counters(results / "checkpoints"), 150, "a learner checkpoint", proc)
+        wait_for(lambda: rows(results / "actors" / "actor_0.csv"), 150, "actor 0's first episode", proc)
+        service, learner = status(results, "replay"), status(results)
+        os.kill(service["pid"], signal.SIGKILL)
+        back = wait_for(lambda: status(results, "replay").get("pid") not in (None, service["pid"])
+                        and status(results, "replay").get("phase") == "running" and status(results, "replay"),
+                        150, "the service at its new port", proc)
+        port = json.loads((results / "config.json").read_text())["run"]["port"]
+        assert back["local_address"] == f"127.0.0.1:{port}" != service["local_address"]
+        assert back["restored"]["checkpoint"] and back["restored"]["items"] > 0
+        # The learner restarted at the new address from its checkpoint (it could not reach the old one) and trains.
+        moved = wait_for(lambda: status(results).get("pid") not in (None, learner["pid"])
+                         and status(results).get("restored") and status(results), 150, "the learner at the new port",
+                         proc)
+        assert moved["restored"]["learner_steps"] >= counters["learner_steps"]
+        wait_for(lambda: status(results).get("learner_steps", 0) >= moved["restored"]["learner_steps"] + 50, 120,
+                 "learner steps at the new port", proc)
+        env_steps = status(results, "replay")["env_steps"]
+        wait_for(lambda: status(results, "replay")["env_steps"] > env_steps, 90, "the actor's inserts at the new port",
+                 proc)
+    finally:
+        output = _finish(proc) if proc.poll() is None else proc.communicate()[0]
+        stop_all(proc)
+    summary = json.loads((results / "summary.json").read_text())
+    # Following the service is no failure of the learner or the actor: no restart budget spent.
+    assert summary["replay_restarts"] == 1 and summary["learner_restarts"] == 0, output
+    assert any(f"was taken while the replay service restarted; starting it on port {port}" in e
+               for e in summary["events"]), summary["events"]
+    assert any(e.startswith(f"the replay service moved from {service['local_address']} to 127.0.0.1:{port}")
+               for e in summary["events"]), summary["events"]
+    assert not any(" died " in e and e.startswith(("actor_0", "evaluator")) for e in summary["events"]), output
+    env = [r["env_steps"] for r in rows(results / "learner.csv")]
+    assert env == sorted(env)
+    incarnations = {r["incarnation"] for r in rows(results / "actors" / "actor_0.csv")}
+    assert len(incarnations) == 2  # actor 0's episodes before the move and after it, in one file
 
 
 @pytest.mark.process

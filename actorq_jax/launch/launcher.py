@@ -6,7 +6,10 @@ has initialised JAX), with its own thread budget, cores (`--layout`, `--*_cpus`)
 other worker. It restarts actors that die; a learner that dies restarts from its last checkpoint
 against the same live replay table (up to `max_learner_restarts`); a replay service that dies restarts
 on the same port from the replay checkpoint of the learner's last checkpoint (up to
-`max_replay_restarts`), while the learner and actors reconnect on their own. It stops the run past
+`max_replay_restarts`), while the learner and actors reconnect on their own. A service that comes back at
+another address (under Ray, on another node; locally, on a new port when another process took the one the
+launcher picked) is followed: the learner restarts there from its last checkpoint, the actors and the
+evaluator restart there too (remote actors started by hand still look at the old one). It stops the run past
 those, on Ctrl-C/SIGTERM or at a budget, and shuts down in an order that keeps every result: actors
 first, then the learner (final checkpoint, publication), the evaluator's last evaluation, the service.
 
@@ -55,6 +58,7 @@ class Worker:
     threads: int
     process: Optional[WorkerProcess] = None  # a subprocess.Popen, or its Ray counterpart
     restarts: int = 0
+    moves: int = 0  # restarts to follow a replay service that moved (not failures: they spend no restart budget)
     gave_up: bool = False
 
 
@@ -81,7 +85,8 @@ class Launcher:
 
     def _start(self, worker: Worker) -> None:
         # A restarted worker gets new seeds (an actor would otherwise replay its first episodes).
-        restart = ["--restart", str(worker.restarts)] if worker.restarts else []
+        starts = worker.restarts + worker.moves
+        restart = ["--restart", str(starts)] if starts else []
         worker.process = self.placement.start(worker.name, worker.role,
                                               ["--threads", str(worker.threads), *worker.args, *restart])
 
@@ -182,10 +187,12 @@ class Launcher:
             self._say(f"the replay service was not placed: {error}")
             return 1
         self.channel = make_channel(run, self.results_dir, server, record=True)
+        self.server = server
         # The learner spends the service's start-up on its own imports; it waits for the server.
         learner.args = ["--server", server]
         self._start(learner)
-        if self._wait_for(replay, "address") is None:
+        port_taken = runtime.EXIT_PORT_TAKEN if self.port_chosen and attempt < PORT_ATTEMPTS else None
+        if self._wait_for(replay, "address", quiet_exit=port_taken) is None:
             # A port the launcher picked can be taken by another process between the pick and the service's
             # bind (free_port releases it): pick another, as a user would, instead of failing the run.
             if (self.port_chosen and attempt < PORT_ATTEMPTS and ended(replay.process)
@@ -198,12 +205,8 @@ class Launcher:
                 return self._start_run(replay, learner, progress_factory, start, attempt + 1)
             return 1
         self.channel.report("launcher", self.started)  # the evaluator's clock starts at the launcher's start
-        joins = server
-        if run.launcher == "local":
-            # The run's own processes use the loopback; another machine needs a name or address of this one.
-            port = server.rpartition(":")[2]
-            joins = f"{run.advertise_host}:{port}" if run.advertise_host else f"THIS_HOST:{port} (this machine's address)"
-        self._say(f"replay service up; remote actors join with: python -m actorq_jax.launch.actor --server {joins}")
+        self._say(f"replay service up; remote actors join with: python -m actorq_jax.launch.actor --server "
+                  f"{self._joins(server)}")
         if self._wait_for(learner, "phase") is None:
             return 1
         for i in range(run.num_actors):
@@ -215,14 +218,17 @@ class Launcher:
         with progress_factory() as progress:
             return self._watch(replay, learner, progress, start)
 
-    def _wait_for(self, worker: Worker, key: str) -> Optional[Any]:
-        """Waits until `worker` (this incarnation) reports `key`; its value, or None if it died or timed out."""
+    def _wait_for(self, worker: Worker, key: str, quiet_exit: Optional[int] = None) -> Optional[Any]:
+        """Waits until `worker` (this incarnation) reports `key`; its value, or None if it died or timed out (said,
+        unless it exited with `quiet_exit`, which the caller handles)."""
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline and not self.stop.is_set():
             status = self.channel.read(worker.role)
             if status.get(key) and status.get("pid") == worker.process.pid:
                 return status[key]
             if ended(worker.process):
+                if quiet_exit is not None and worker.process.returncode == quiet_exit:
+                    return None
                 self._say(f"{worker.name} ended before starting ({how_it_ended(worker.process)}):\n"
                           f"{self._log_tail(worker)}")
                 return None
@@ -325,15 +331,78 @@ class Launcher:
                 else f"the checkpoint at learner step {counters.get('learner_steps', 0)}")
         self._say(f"{worker.name} died ({how}); restart {worker.restarts}/{budget} from {what}"
                   + (f" on port {self.run.port}" if worker.role == "replay" else ""))
+        if worker.role == "replay":
+            return self._restart_service(worker)
         self._start(worker)
         if self._wait_for(worker, ready_key) is None:
             return self.stop.is_set()  # a stop request during the restart is an ordinary stop
         restored = self.channel.read(worker.role).get("restored", {})
-        if worker.role == "replay":
-            self._say(f"replay service back on port {self.run.port} with {restored.get('items', 0)} replay items")
-        else:
-            self._say(f"learner back at step {restored.get('learner_steps', 0)} with {restored.get('items', 0)} "
-                      f"replay items in the live table")
+        self._say(f"learner back at step {restored.get('learner_steps', 0)} with {restored.get('items', 0)} "
+                  f"replay items in the live table")
+        return True
+
+    def _restart_service(self, replay: Worker) -> bool:
+        """Starts the replay service again from its checkpoint; the other workers follow it if its address changed."""
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            self._start(replay)
+            try:
+                address = self.placement.service_address(self.run.port)
+            except RuntimeError as error:
+                self._say(f"the restarted replay service was not placed: {error}")
+                return False
+            if address != self.server:  # its reports come through its own server under Ray
+                self.channel = make_channel(self.run, self.results_dir, address, record=True)
+            # Only a port the launcher picked is its to change: remote actors look for the one a user gave.
+            movable = self.port_chosen and self.run.launcher == "local" and attempt < PORT_ATTEMPTS
+            if self._wait_for(replay, "address", quiet_exit=runtime.EXIT_PORT_TAKEN if movable else None) is not None:
+                break
+            if self.stop.is_set():
+                return True  # a stop request during the restart is an ordinary stop
+            if not (movable and replay.process.returncode == runtime.EXIT_PORT_TAKEN):
+                return False
+            taken = self.run.port
+            self.run = dataclasses.replace(self.run, port=runtime.free_port())
+            save_config(self.dir.config, self.run, self.agent_config)
+            self._say(f"port {taken} was taken while the replay service restarted; starting it on port {self.run.port}")
+        restored = self.channel.read("replay").get("restored", {})
+        self._say(f"replay service back on port {self.run.port} with {restored.get('items', 0)} replay items")
+        return address == self.server or self._follow_service(address)
+
+    def _joins(self, server: str) -> str:
+        """The --server a remote actor gives to reach the service at `server`."""
+        if self.run.launcher != "local":
+            return server
+        # The run's own processes use the loopback; another machine needs a name or address of this one.
+        port = server.rpartition(":")[2]
+        return (f"{self.run.advertise_host}:{port}" if self.run.advertise_host
+                else f"THIS_HOST:{port} (this machine's address)")
+
+    def _follow_service(self, address: str) -> bool:
+        """Restarts the learner (from its last checkpoint), actors and evaluator at the service's new address."""
+        self._say(f"the replay service moved from {self.server} to {address}: restarting the learner (from its last "
+                  f"checkpoint), the actors and the evaluator there; remote actors started by hand must be "
+                  f"started again with --server {self._joins(address)}")
+        self.server = address
+        followers = [w for w in self.workers if w.role != "replay" and not w.gave_up]
+        self.cpu.sample(followers)
+        for w in followers:
+            # Killed, not stopped: an orderly stop would spend its timeout on a final checkpoint or flush to an
+            # address nothing listens at. The learner's last checkpoint is the one the service restored.
+            if w.process is not None and not ended(w.process):
+                w.process.kill()
+                w.process.wait()
+        for w in followers:
+            w.args = _with_server(w.args, address)
+            w.moves += 1
+        learner = next(w for w in followers if w.role == "learner")
+        self._start(learner)
+        if self._wait_for(learner, "phase") is None:
+            return self.stop.is_set()
+        restored = self.channel.read("learner").get("restored", {})
+        self._say(f"learner back at step {restored.get('learner_steps', 0)} at {address}")
+        for w in followers:
+            if w is not learner:
+                self._start(w)
         return True
 
     def _shutdown(self, replay: Worker, learner: Worker) -> None:
@@ -483,6 +552,16 @@ class EvalWatch:
     def last_return(self) -> str:
         """The last fp32 evaluation episode's return, for the progress line ("-" before the first)."""
         return f"{float(self._fp32[-1]['return']):.1f}" if self._fp32 else "-"
+
+
+def _with_server(args: List[str], address: str) -> List[str]:
+    """Worker flags `args` with --server set to `address`."""
+    flags = list(args)
+    if "--server" in flags:
+        flags[flags.index("--server") + 1] = address
+    else:
+        flags += ["--server", address]
+    return flags
 
 
 def _read_rows(path: Path) -> List[Dict[str, Any]]:

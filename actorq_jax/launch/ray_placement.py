@@ -329,8 +329,13 @@ class RayPlacement(Placement):
         if where is None:
             raise RuntimeError(f"Ray placed no host for it within {PLACE_TIMEOUT_S:.0f} s "
                                f"(--replay_resources {self.run.replay_resources!r})")
-        self.address = f"{self.run.advertise_host or where['ip']}:{port}"
-        self.channel = ServiceChannel(self.address)
+        address = f"{self.run.advertise_host or where['ip']}:{port}"
+        if address != self.address:  # a first start, or a restart on another node: the drains follow it
+            with self._collect_lock:
+                if self._drains is not None:
+                    self._close_drains()
+                self.address = address
+                self.channel = ServiceChannel(address)
         if self._thread is None:
             self._thread = threading.Thread(target=self._collect_loop, name="ray-collect", daemon=True)
             self._thread.start()
