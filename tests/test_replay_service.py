@@ -1,6 +1,7 @@
 """The replay service as a process of its own: the learner holds no server, and each can die without the other."""
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -389,6 +390,31 @@ def test_a_service_that_comes_back_at_a_new_address_is_followed_by_the_learner_a
     assert env == sorted(env)
     incarnations = {r["incarnation"] for r in rows(results / "actors" / "actor_0.csv")}
     assert len(incarnations) == 2  # actor 0's episodes before the move and after it, in one file
+
+
+@pytest.mark.process
+@pytest.mark.timeout(120)
+def test_the_service_worker_binds_the_port_its_launcher_passes_not_the_one_its_config_was_written_with(tmp_path):
+    # Under Ray a host keeps the config.json it started with; a port picked again since reaches it as --port.
+    from actorq_jax.launch.config import save_config
+    from actorq_jax.launch.runtime import free_port
+
+    results = tmp_path / "run"
+    run, agent_config = parse_run("d4pg", [*TINY, "--results_dir", str(results)])
+    stale, port = free_port(), free_port()
+    results.mkdir()
+    save_config(results / "config.json", dataclasses.replace(run, port=stale), agent_config)
+    worker = subprocess.Popen([sys.executable, "-m", "actorq_jax.launch.worker", "replay", "--results_dir",
+                               str(results), "--port", str(port)], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    try:
+        report = wait_for(lambda: status(results, "replay").get("address") and status(results, "replay"), 90,
+                          "the service's report", worker)
+        assert report["local_address"] == f"127.0.0.1:{port}"
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        output, _ = worker.communicate(timeout=60)
+    assert worker.returncode == 0, output[-2000:]
 
 
 @pytest.mark.process

@@ -7,7 +7,7 @@ other worker. It restarts actors that die; a learner that dies restarts from its
 against the same live replay table (up to `max_learner_restarts`); a replay service that dies restarts
 on the same port from the replay checkpoint of the learner's last checkpoint (up to
 `max_replay_restarts`), while the learner and actors reconnect on their own. A service that comes back at
-another address (under Ray, on another node; locally, on a new port when another process took the one the
+another address (under Ray, on another node; or on a new port, when another process took the one the
 launcher picked) is followed: the learner restarts there from its last checkpoint, the actors and the
 evaluator restart there too (remote actors started by hand still look at the old one). It stops the run past
 those, on Ctrl-C/SIGTERM or at a budget, and shuts down in an order that keeps every result: actors
@@ -84,6 +84,8 @@ class Launcher:
     # -- processes ------------------------------------------------------------------
 
     def _start(self, worker: Worker) -> None:
+        if worker.role == "replay":  # the port may have been picked again since the service's host started
+            worker.args = ["--port", str(self.run.port)]
         # A restarted worker gets new seeds (an actor would otherwise replay its first episodes).
         starts = worker.restarts + worker.moves
         restart = ["--restart", str(starts)] if starts else []
@@ -353,7 +355,7 @@ class Launcher:
             if address != self.server:  # its reports come through its own server under Ray
                 self.channel = make_channel(self.run, self.results_dir, address, record=True)
             # Only a port the launcher picked is its to change: remote actors look for the one a user gave.
-            movable = self.port_chosen and self.run.launcher == "local" and attempt < PORT_ATTEMPTS
+            movable = self.port_chosen and attempt < PORT_ATTEMPTS
             if self._wait_for(replay, "address", quiet_exit=runtime.EXIT_PORT_TAKEN if movable else None) is not None:
                 break
             if self.stop.is_set():

@@ -36,6 +36,9 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--restart", type=int, default=0,
                         help="restarts of this slot (a learner or replay service restarts from its checkpoint)")
     parser.add_argument("--server", default=None)
+    parser.add_argument("--port", type=int, default=None,
+                        help="the replay service's port (the launcher's current pick; under Ray a host keeps the "
+                             "config.json it started with)")
     parser.add_argument("--parent_pid", type=int, default=0, help="the launcher's pid (0: whoever started us)")
     args = parser.parse_args(argv)
     runtime.apply_thread_env(args.threads)
@@ -65,6 +68,8 @@ def main(argv: Optional[list] = None) -> int:
     run, agent_config = config_from_json(config_json)
     runtime.apply_cpu_affinity(args.role, run)
     runtime.apply_jax_platform(args.role, run)
+    if args.role == "replay" and args.port is not None:
+        run = dataclasses.replace(run, port=args.port)
     if args.restart and args.role in ("replay", "learner"):
         run = dataclasses.replace(run, resume=True)  # a restarted learner or service continues from its checkpoint
     if args.role == "replay":
