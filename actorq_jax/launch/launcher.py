@@ -153,8 +153,8 @@ class Launcher:
         exit_code = 0
         try:
             while self.port_chosen and net.port_in_use(run.port):  # taken since the pick: pick again
-                run = self.run = dataclasses.replace(run, port=runtime.free_port())
-                save_config(self.dir.config, run, self.agent_config)
+                self._pick_port_again()
+                run = self.run
             if net.port_in_use(run.port):
                 raise PortTaken(f"port {run.port} (the replay service's, from {self.dir.config}) is "
                                 f"taken by another process; stop it, or start a new run")
@@ -193,15 +193,13 @@ class Launcher:
         # The learner spends the service's start-up on its own imports; it waits for the server.
         learner.args = ["--server", server]
         self._start(learner)
-        port_taken = runtime.EXIT_PORT_TAKEN if self.port_chosen and attempt < PORT_ATTEMPTS else None
-        if self._wait_for(replay, "address", quiet_exit=port_taken) is None:
+        movable = self._port_movable(attempt)
+        if self._wait_for(replay, "address", quiet_exit=runtime.EXIT_PORT_TAKEN if movable else None) is None:
             # A port the launcher picked can be taken by another process between the pick and the service's
             # bind (free_port releases it): pick another, as a user would, instead of failing the run.
-            if (self.port_chosen and attempt < PORT_ATTEMPTS and ended(replay.process)
-                    and replay.process.returncode == runtime.EXIT_PORT_TAKEN):
+            if movable and ended(replay.process) and replay.process.returncode == runtime.EXIT_PORT_TAKEN:
                 self._terminate([learner], LEARNER_RESTART_STOP_S)  # it has not connected: nothing to lose
-                self.run = dataclasses.replace(run, port=runtime.free_port())
-                save_config(self.dir.config, self.run, self.agent_config)
+                self._pick_port_again()
                 self._say(f"port {run.port} was taken before the replay service could bind it; "
                           f"starting again on port {self.run.port}")
                 return self._start_run(replay, learner, progress_factory, start, attempt + 1)
@@ -354,21 +352,30 @@ class Launcher:
                 return False
             if address != self.server:  # its reports come through its own server under Ray
                 self.channel = make_channel(self.run, self.results_dir, address, record=True)
-            # Only a port the launcher picked is its to change: remote actors look for the one a user gave.
-            movable = self.port_chosen and attempt < PORT_ATTEMPTS
+            movable = self._port_movable(attempt)
             if self._wait_for(replay, "address", quiet_exit=runtime.EXIT_PORT_TAKEN if movable else None) is not None:
                 break
             if self.stop.is_set():
                 return True  # a stop request during the restart is an ordinary stop
             if not (movable and replay.process.returncode == runtime.EXIT_PORT_TAKEN):
                 return False
-            taken = self.run.port
-            self.run = dataclasses.replace(self.run, port=runtime.free_port())
-            save_config(self.dir.config, self.run, self.agent_config)
+            taken = self._pick_port_again()
             self._say(f"port {taken} was taken while the replay service restarted; starting it on port {self.run.port}")
         restored = self.channel.read("replay").get("restored", {})
         self._say(f"replay service back on port {self.run.port} with {restored.get('items', 0)} replay items")
         return address == self.server or self._follow_service(address)
+
+    def _port_movable(self, attempt: int) -> bool:
+        """Whether the service's port may be picked again after `attempt` starts found it taken."""
+        # Only a port the launcher picked is its to change: remote actors look for the one a user gave.
+        return self.port_chosen and attempt < PORT_ATTEMPTS
+
+    def _pick_port_again(self) -> int:
+        """Gives the service a new free port (recorded in config.json); returns the old one."""
+        taken = self.run.port
+        self.run = dataclasses.replace(self.run, port=runtime.free_port())
+        save_config(self.dir.config, self.run, self.agent_config)
+        return taken
 
     def _joins(self, server: str) -> str:
         """The --server a remote actor gives to reach the service at `server`."""
