@@ -129,11 +129,19 @@ class Descendants:
         while not self.stop.wait(0.5):
             for root in self.roots:
                 try:
-                    for child in psutil.Process(root).children(recursive=True):
-                        if child.pid not in self.seen:
-                            self.seen[child.pid] = " ".join(child.cmdline()[:4])
+                    children = psutil.Process(root).children(recursive=True)
                 except psutil.Error:
                     continue
+                for child in children:
+                    # Read again on every pass: a child caught between fork and exec (Ray runs Python in
+                    # preexec_fn there) still shows its parent's command line. One that is exiting reads
+                    # empty and keeps what was seen; one that is gone stops no other.
+                    try:
+                        words = child.cmdline()
+                    except psutil.Error:
+                        continue
+                    if words:
+                        self.seen[child.pid] = " ".join(words[:4])
 
     def workers(self) -> Set[int]:
         """Pids of the run's worker processes seen so far."""
