@@ -589,6 +589,19 @@ def test_replay_checkpoint_restores_the_table(tmp_path):
 
 @pytest.mark.process
 @pytest.mark.timeout(120)
+def test_the_server_reaches_itself_over_the_loopback_whatever_host_it_advertises(tmp_path):
+    # Other machines' way in may not lead back here (a NAT's public address, a name only the cluster resolves).
+    config = ReplayTableConfig(max_size=100, min_size=1, samples_per_insert=None)
+    with ReplayServer([make_replay_table(config, OBS, ACT)], advertised_host="replay-host.example",
+                      checkpoint_dir=tmp_path) as server:
+        assert server.address == f"replay-host.example:{server.port}"
+        client = server.client()
+        # Checked before any call, so a wrong target never sends a packet off this machine.
+        assert client.server_address == server.local_address == f"127.0.0.1:{server.port}"
+        assert client.server_info(timeout=5)[config.name].current_size == 0
+        assert server.checkpoint("first") == "first" and (tmp_path / "first" / "DONE").exists()
+
+
 def test_a_checkpoint_of_unpacked_items_is_refused_by_name_and_kept(tmp_path):
     # A table as an older version stored it: one column per Transition field.
     config = ReplayTableConfig(max_size=100, min_size=1, samples_per_insert=None)

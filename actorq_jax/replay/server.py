@@ -195,7 +195,7 @@ class ReplayServer:
             raise ValueError("this ReplayServer has no checkpoint_dir")
         if not name or Path(name).name != name or name == _WORK_DIR:
             raise ValueError(f"checkpoint name must be a plain directory name other than {_WORK_DIR!r}, got {name!r}")
-        written = Path(reverb.Client(f"{LOOPBACK}:{self._port}").checkpoint())
+        written = Path(reverb.Client(self.local_address).checkpoint())
         target = self.checkpoint_dir / name
         shutil.rmtree(target, ignore_errors=True)
         written.rename(target)
@@ -211,9 +211,16 @@ class ReplayServer:
         """"host:port" for clients."""
         return f"{self._host}:{self._port}"
 
+    @property
+    def local_address(self) -> str:
+        """"127.0.0.1:port", how this machine reaches the server."""
+        return f"{LOOPBACK}:{self._port}"
+
     def client(self) -> reverb.Client:
-        """A client of this server."""
-        return reverb.Client(self.address)
+        """A client of this server from this machine."""
+        # The loopback, not the advertised host: that is other machines' way in, and this one may not reach
+        # it (a NAT's public address, a name only the cluster resolves).
+        return reverb.Client(self.local_address)
 
     def stop(self) -> None:
         """Stops the server (idempotent)."""
