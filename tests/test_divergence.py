@@ -32,9 +32,48 @@ def test_a_resumed_run_may_change_its_step_sizes_and_nothing_else(tmp_path, caps
     save_config(results / "config.json", run, agent)
     _, resumed = parse_run("d4pg", ["--resume", str(results), "--critic_learning_rate", "1e-5"])
     assert resumed.critic_learning_rate == 1e-5 and resumed.policy_learning_rate == agent.policy_learning_rate
-    # Flags that were not given keep the run's values, even where they differ from the defaults.
-    _, same = parse_run("d4pg", ["--resume", str(results), "--batch_size", "64"])
-    assert same.batch_size == agent.batch_size == 16
+    # Flags that were not given keep the run's values, even where they differ from the defaults; one given with
+    # the run's own value is no change.
+    kept_run, same = parse_run("d4pg", ["--resume", str(results), "--batch_size", "16", "--max_seconds", "5"])
+    assert same.batch_size == agent.batch_size == 16 and same.policy_layers == agent.policy_layers
+    assert kept_run.max_seconds == 5 and kept_run.num_actors == run.num_actors
+    # Any other change would be dropped without a word: it is refused by name, with the run's value.
+    for flags, named in ((["--batch_size", "64"], "--batch_size: the resumed run has 16"),
+                         (["--num_actors", str(run.num_actors + 1)], f"--num_actors: the resumed run has {run.num_actors}"),
+                         (["--policy_layers", "8,8"], "--policy_layers: the resumed run has"),
+                         (["--results_dir", str(tmp_path / "elsewhere")], "is not the resumed run's directory")):
+        with pytest.raises(SystemExit) as exit_info:
+            parse_run("d4pg", ["--resume", str(results), *flags])
+        assert exit_info.value.code == 2
+        message = capsys.readouterr().err
+        assert named in message and "Traceback" not in message, message
+
+
+def test_a_resumed_run_goes_on_in_the_directory_it_is_resumed_from(tmp_path, monkeypatch):
+    from actorq_jax.launch.config import save_config
+
+    # Started from a working directory with a relative path, then moved: config.json's path leads nowhere now.
+    monkeypatch.chdir(tmp_path)
+    run, agent = parse_run("d4pg", [*TINY, "--results_dir", "results/first"])
+    (tmp_path / "results" / "first").mkdir(parents=True)
+    save_config(tmp_path / "results" / "first" / "config.json", run, agent)
+    (tmp_path / "results" / "first").rename(tmp_path / "moved")
+    monkeypatch.chdir(ROOT)
+    resumed, _ = parse_run("d4pg", ["--resume", str(tmp_path / "moved")])
+    assert resumed.results_dir == str(tmp_path / "moved") and resumed.resume
+
+
+def test_a_run_is_resumed_only_by_its_own_agent(tmp_path, capsys):
+    from actorq_jax.launch.config import save_config
+
+    run, agent = parse_run("d4pg", [*TINY, "--results_dir", str(tmp_path / "run")])
+    (tmp_path / "run").mkdir()
+    save_config(tmp_path / "run" / "config.json", run, agent)
+    with pytest.raises(SystemExit) as exit_info:
+        parse_run("dqn", ["--resume", str(tmp_path / "run")])
+    assert exit_info.value.code == 2
+    assert f"holds a d4pg run, not dqn; resume it with experiments/run.py --agent d4pg --resume {tmp_path / 'run'}" in \
+        capsys.readouterr().err
 
 
 @pytest.mark.process

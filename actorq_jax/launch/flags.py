@@ -44,7 +44,7 @@ def parse_run(agent: str, argv: Optional[Sequence[str]], description: Optional[s
     parser = build_parser(agent, description)
     args = parser.parse_args(argv)
     if args.resume:
-        return _resume(parser, args, list(sys.argv[1:] if argv is None else argv))
+        return _resume(parser, args, list(sys.argv[1:] if argv is None else argv), agent)
     values = {f.name: getattr(args, f.name) for f in flag_fields(RunConfig, skip=_SPECIAL_RUN_FIELDS)}
     values["agent"] = agent
     if values["results_dir"] is None:
@@ -166,20 +166,47 @@ def _given(argv: Sequence[str], name: str) -> bool:
     return any(arg == f"--{name}" or arg.startswith(f"--{name}=") for arg in argv)
 
 
-def _resume(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str]) -> Tuple[RunConfig, Any]:
-    path = RunDir(args.resume).config
+# Run flags a resumed run may change: its budgets and stop condition, and where its cluster is now.
+RESUMABLE_RUN_FIELDS = (*BUDGETS, "stop_at_return", "ray_address")
+
+
+def _same(given: Any, kept: Any) -> bool:
+    # JSON has no tuples: a layer list kept in config.json compares equal to the same flag's tuple.
+    return (tuple(given) if isinstance(given, list) else given) == (tuple(kept) if isinstance(kept, list) else kept)
+
+
+def _resume(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str],
+            agent: str) -> Tuple[RunConfig, Any]:
+    results = Path(args.resume)
+    path = RunDir(results).config
     if not path.exists():
         parser.error(f"--resume: {args.resume} has no config.json (not a results directory)")
-    problem = results_dir_problem(Path(args.resume))
+    problem = results_dir_problem(results)
     if problem:
         parser.error(f"--resume: {problem}")
     try:
         run, agent_config = config_from_json(path.read_text())
     except ValueError as error:
         parser.error(f"--resume: {path}: {error}")
-    # Budgets may be raised when resuming, and a cluster's address changes between sessions;
-    # everything else stays as the run was configured.
+    if run.agent != agent:
+        parser.error(f"--resume: {args.resume} holds a {run.agent} run, not {agent}; resume it with "
+                     f"experiments/run.py --agent {run.agent} --resume {args.resume}")
+    if _given(argv, "results_dir") and Path(args.results_dir).resolve() != results.resolve():
+        parser.error(f"--results_dir: {args.results_dir} is not the resumed run's directory {args.resume}; "
+                     "--resume alone names where the run goes on")
+    # A flag given with another value than the run was configured with would be silently dropped: refuse it.
+    resumable = (*RESUMABLE_RUN_FIELDS, *resumable_agent_fields(type(agent_config)))
+    for config in (run, agent_config):
+        for field in flag_fields(type(config), skip=(*_SPECIAL_RUN_FIELDS, "results_dir")):
+            name = field.name
+            if name in resumable or not _given(argv, name) or _same(getattr(args, name), getattr(config, name)):
+                continue
+            parser.error(f"--{name}: the resumed run has {getattr(config, name)!r}, which a resume keeps; it may change "
+                         f"only {', '.join('--' + n for n in resumable)}; start a new run to change --{name}")
+    # The directory named now, not the one config.json recorded: the run may have moved, or be resumed from
+    # another working directory than the relative path it was started with.
     overrides = {k: getattr(args, k) for k in (*BUDGETS, "stop_at_return") if getattr(args, k) is not None}
+    overrides["results_dir"] = str(results)
     if args.ray_address:
         overrides["ray_address"] = args.ray_address
     agent_overrides = {k: getattr(args, k) for k in resumable_agent_fields(type(agent_config)) if _given(argv, k)}
