@@ -62,7 +62,7 @@ def wait_for_server(address: str, timeout_s: float = 30.0, stop: Optional[Any] =
             time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
     raise TimeoutError(
         f"no Reverb server answered at {address} within {timeout_s:g} s "
-        f"(is the learner running, and is the host:port right?); last error: {last_error}")
+        f"(is the run's replay service up, and is the host:port right?); last error: {last_error}")
 
 
 def table_layout(client: reverb.Client, table: str, fields: Sequence[str], timeout_s: float) -> ItemLayout:
