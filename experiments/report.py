@@ -302,6 +302,9 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         parser.error("--study is for --collect")
     if not Path(args.results_md).is_file():
         parser.error(f"--results_md: {args.results_md} does not exist")
+    if args.collect is None and not Path(args.records).is_dir():
+        # Nothing to draw from: RESULTS.md would be "rewritten" unchanged, which reads as a success.
+        parser.error(f"--records: {args.records} is not a directory of record sets")
     return args
 
 

@@ -129,6 +129,17 @@ def test_report_refuses_a_results_file_without_the_study_markers(tmp_path, capsy
     assert "<!-- report:rq2 -->" in capsys.readouterr().err
 
 
+def test_report_refuses_a_records_folder_that_is_not_there_and_writes_nothing(tmp_path, capsys):
+    results_md = tmp_path / "RESULTS.md"
+    results_md.write_text("# Results\n")
+    report = load_script("report")
+    with pytest.raises(SystemExit) as exit_info:
+        report.main(["--records", str(tmp_path / "no_records"), "--results_md", str(results_md)])
+    assert exit_info.value.code == 2
+    assert f"--records: {tmp_path / 'no_records'} is not a directory of record sets" in capsys.readouterr().err
+    assert results_md.read_text() == "# Results\n"
+
+
 def test_collect_refuses_a_study_without_a_table_naming_it_and_records_nothing(tmp_path, capsys):
     report = load_script("report")
     records = tmp_path / "records"
