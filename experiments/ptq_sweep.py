@@ -151,7 +151,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from actorq_jax.analysis import plot_ptq, save_figure
     from actorq_jax.environments import environment_spec, make_environment
     from actorq_jax.launch import runtime
-    from actorq_jax.launch.checkpoint import Checkpointer
+    from actorq_jax.launch.checkpoint import Checkpointer, CheckpointUnreadable
     from actorq_jax.launch.config import config_from_json
 
     run, agent_config = config_from_json(RunDir(run_dir).config.read_text())
@@ -159,9 +159,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     spec = environment_spec(make_environment(run.task, seed=env_seed))
     builder = runtime.make_builder(run.agent, agent_config, spec)
     checkpointer = Checkpointer(RunDir(run_dir).checkpoints)
-    step = checkpointer.latest_step()
-    restored = checkpointer.restore(builder.init_state(jax.random.PRNGKey(0)))
-    checkpointer.close()
+    try:
+        # Read only: a damaged checkpoint is passed over, left where it is for the run to deal with.
+        restored = checkpointer.restore(builder.init_state(jax.random.PRNGKey(0)), set_aside=False)
+    except CheckpointUnreadable as error:
+        print(f"ptq_sweep: --checkpoint: {error}", file=sys.stderr)
+        return 2
+    finally:
+        checkpointer.close()
+    step = checkpointer.restored_step
     if restored is None:
         print(f"ptq_sweep: --checkpoint: no checkpoint saved under {run_dir / 'checkpoints'}", file=sys.stderr)
         return 2

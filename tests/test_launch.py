@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import psutil
 import pytest
@@ -33,6 +34,7 @@ from launch_support import (
 )
 from launch_support import rows as _rows
 
+from actorq_jax.launch.checkpoint import finished_steps
 from actorq_jax.launch.flags import parse_run
 
 
@@ -303,6 +305,29 @@ def test_resume_continues_learner_steps_and_env_steps(tmp_path):
     assert third.returncode == 1 and f"port {port}" in third.stderr and "taken" in third.stderr, third.stderr[-2000:]
     failed = json.loads((results / "summary.json").read_text())
     assert failed["learner_steps"] == 200 and failed["counters_from"] == "checkpoint at learner step 200"
+    # A damaged newest checkpoint is passed over for the one before it, said, and kept aside.
+    _damage_checkpoint(results / "checkpoints" / "200")
+    fourth = subprocess.run([*base, "--resume", str(results), "--max_learner_steps", "250"], cwd=ROOT, env=ENV,
+                            capture_output=True, text=True, timeout=200)
+    assert fourth.returncode == 0, fourth.stdout[-2000:] + fourth.stderr[-2000:]
+    assert "resumed at learner step 100" in fourth.stderr and "checkpoint at step 200 could not be read" in fourth.stderr
+    assert (results / "checkpoints" / "200.unreadable").is_dir()
+    assert json.loads((results / "summary.json").read_text())["learner_steps"] == 250
+    # None readable: the learner says why without a traceback and the run stops at once, not restarting it.
+    for step in finished_steps(results / "checkpoints"):
+        _damage_checkpoint(results / "checkpoints" / str(step))
+    fifth = subprocess.run([*base, "--resume", str(results), "--max_learner_steps", "300"], cwd=ROOT, env=ENV,
+                           capture_output=True, text=True, timeout=200)
+    assert fifth.returncode == 1 and "learner ended before starting (exit code 2)" in fifth.stderr, fifth.stderr[-2000:]
+    assert "no learner checkpoint in" in fifth.stderr and "restart 1/" not in fifth.stderr
+    assert "Traceback" not in fifth.stderr  # the learner log's tail is in it
+
+
+def _damage_checkpoint(step_dir: Path) -> None:
+    """Empties the data files of a learner checkpoint's state, as a full disk or a bad copy leaves them."""
+    for path in (step_dir / "state").rglob("*"):
+        if path.is_file() and path.parent.name == "d":
+            path.write_bytes(b"")
 
 
 # The launcher's run, with its port pick handed to a socket this wrapper holds and the pre-start check blinded,

@@ -602,6 +602,8 @@ def test_the_server_reaches_itself_over_the_loopback_whatever_host_it_advertises
         assert server.checkpoint("first") == "first" and (tmp_path / "first" / "DONE").exists()
 
 
+@pytest.mark.process
+@pytest.mark.timeout(120)
 def test_a_checkpoint_of_unpacked_items_is_refused_by_name_and_kept(tmp_path):
     # A table as an older version stored it: one column per Transition field.
     config = ReplayTableConfig(max_size=100, min_size=1, samples_per_insert=None)

@@ -9,6 +9,7 @@ trusts only those, and needs neither JAX nor Orbax (the launcher calls it).
 
 import json
 import logging
+import shutil
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -37,6 +38,15 @@ def read_counters(directory: Path, step: Optional[int] = None) -> Optional[Dict[
         return None
 
 
+class CheckpointUnreadable(ValueError):
+    """No learner checkpoint in a directory reads back (each is damaged, or another state's)."""
+
+
+def _first_line(error: BaseException, limit: int = 300) -> str:
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 class Checkpointer:
     """Saves `(state, counters)` under a directory, keeping the newest few."""
 
@@ -45,6 +55,8 @@ class Checkpointer:
 
         self._ocp = ocp
         self.directory = Path(directory).absolute()
+        self.restored_step: Optional[int] = None
+        self.unreadable: List[int] = []  # steps the last restore could not read back
         self._manager = ocp.CheckpointManager(
             Path(directory).absolute(),
             options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
@@ -69,18 +81,44 @@ class Checkpointer:
         """The newest saved step, or None."""
         return self._manager.latest_step()
 
-    def restore(self, template: Any) -> Optional[Tuple[Any, Dict[str, Any]]]:
-        """The newest `(state, counters)`, shaped like `template`; None when nothing is saved."""
-        step = self._manager.latest_step()
-        if step is None:
-            return None
+    def restore(self, template: Any, set_aside: bool = True) -> Optional[Tuple[Any, Dict[str, Any]]]:
+        """The newest `(state, counters)` that reads back, shaped like `template`; None when nothing is saved.
+
+        With `set_aside`, a damaged checkpoint is renamed `<step>.unreadable` (kept for a look, no longer a
+        checkpoint) when an older one reads back. CheckpointUnreadable, naming each step and why, when none does.
+        `restored_step` is the step read.
+        """
         ocp = self._ocp
-        restored = self._manager.restore(
-            step,
-            args=ocp.args.Composite(state=ocp.args.StandardRestore(template), counters=ocp.args.JsonRestore()),
-        )
-        log.info("restored checkpoint at learner step %d", step)
-        return restored["state"], dict(restored["counters"])
+        failed: List[Tuple[int, str]] = []
+        for step in sorted(self._manager.all_steps(), reverse=True):
+            try:
+                restored = self._manager.restore(
+                    step,
+                    args=ocp.args.Composite(state=ocp.args.StandardRestore(template), counters=ocp.args.JsonRestore()),
+                )
+            except (ValueError, OSError) as error:  # what TensorStore and JSON raise on a damaged or missing file
+                failed.append((step, _first_line(error)))
+                continue
+            for bad, why in failed:
+                log.warning("checkpoint at learner step %d cannot be read (%s); going on from step %d", bad, why, step)
+                if set_aside:
+                    # Else the next restore, or the replay service's choice of checkpoint, would take it again.
+                    aside = self.directory / f"{bad}.unreadable"
+                    shutil.rmtree(aside, ignore_errors=True)
+                    (self.directory / str(bad)).rename(aside)
+                    log.warning("moved the checkpoint at learner step %d to %s", bad, aside)
+            if failed and set_aside:
+                self._manager.reload()
+            self.restored_step, self.unreadable = step, [bad for bad, _ in failed]
+            log.info("restored checkpoint at learner step %d", step)
+            return restored["state"], dict(restored["counters"])
+        if not failed:
+            return None
+        raise CheckpointUnreadable(
+            f"no learner checkpoint in {self.directory} can be read: "
+            + "; ".join(f"step {step}: {why}" for step, why in failed)
+            + " (a damaged disk, a file removed, or a checkpoint of another version's networks); nothing was "
+              "changed: start a new run, or resume with the version that wrote them")
 
     def kept_counters(self) -> List[Dict[str, Any]]:
         """Counters of every checkpoint still kept, oldest first."""

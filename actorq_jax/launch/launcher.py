@@ -209,6 +209,11 @@ class Launcher:
                   f"{self._joins(server)}")
         if self._wait_for(learner, "phase") is None:
             return 1
+        restored = self.channel.read("learner").get("restored", {})
+        if run.resume:
+            self._say(f"resumed at learner step {restored.get('learner_steps', 0):,d} with "
+                      f"{restored.get('items', 0):,d} replay items")
+        self._say_unreadable(restored)
         for i in range(run.num_actors):
             self.workers.append(Worker(f"actor_{i}", "actor", ["--actor_id", str(i), "--server", server],
                                        run.actor_threads))
@@ -339,7 +344,17 @@ class Launcher:
         restored = self.channel.read(worker.role).get("restored", {})
         self._say(f"learner back at step {restored.get('learner_steps', 0)} with {restored.get('items', 0)} "
                   f"replay items in the live table")
+        self._say_unreadable(restored)
         return True
+
+    def _say_unreadable(self, restored: Dict[str, Any]) -> None:
+        """Says which newer learner checkpoints a restore passed over (they are kept, renamed)."""
+        if restored.get("unreadable"):
+            steps = restored["unreadable"]
+            named = (f"checkpoint at step {steps[0]} could not be read and is" if len(steps) == 1 else
+                     f"checkpoints at steps {', '.join(map(str, steps))} could not be read and are")
+            self._say(f"the learner {named} kept as checkpoints/<step>.unreadable ({self.dir.log('learner')} says why); "
+                      f"the learner went on from step {restored.get('learner_steps', 0)}")
 
     def _restart_service(self, replay: Worker) -> bool:
         """Starts the replay service again from its checkpoint; the other workers follow it if its address changed."""

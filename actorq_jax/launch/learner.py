@@ -27,7 +27,7 @@ import reverb
 from actorq_jax.environments import environment_spec, make_environment
 from actorq_jax.launch import runtime
 from actorq_jax.launch.channel import RunChannel, make_channel
-from actorq_jax.launch.checkpoint import Checkpointer, finished_steps
+from actorq_jax.launch.checkpoint import Checkpointer, CheckpointUnreadable, finished_steps
 from actorq_jax.launch.config import RunConfig
 from actorq_jax.launch.replay_service import ServiceClient, ServiceError, checkpoint_request
 from actorq_jax.launch.run_rows import drop_rows_after, row_log
@@ -123,7 +123,8 @@ class Learner:
         self._last_inserts = self._inserts()
         self._env_steps_offset = max(0, int(counters.get("env_steps", 0)) - self._last_inserts)
         self.restored = {"checkpoint": counters.get("replay_checkpoint"), "items": self.items(),
-                         "learner_steps": self.steps, "env_steps": int(counters.get("env_steps", 0))}
+                         "learner_steps": self.steps, "env_steps": int(counters.get("env_steps", 0)),
+                         "unreadable": self.checkpointer.unreadable}
 
     @property
     def steps(self) -> int:
@@ -376,6 +377,10 @@ def run_learner(run: RunConfig, agent_config: Any, address: str, stop: threading
         # Nothing was learned, published or checkpointed yet: there is nothing to hand over.
         log.info("stop requested before the replay service at %s answered; no step taken", address)
         return 0
+    except CheckpointUnreadable as error:
+        # The run's files, not a fault of this process: its message without a traceback, and no restart can help.
+        log.error("%s", error)
+        return 2
     drop_rows_after(results_dir.learner_csv, learner.steps)
     start = time.monotonic()
     csv_log = LearnerLog(results_dir.learner_csv, start, learner.steps,
