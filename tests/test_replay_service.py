@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -216,6 +217,60 @@ def test_sgd_goes_on_while_the_service_writes_a_checkpoint_which_keeps_the_state
         assert int(restored.steps) == asked_at
         assert all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(restored),
                                                         jax.tree_util.tree_leaves(state_then)))
+
+
+def _cut(path: Path) -> None:
+    """Cuts a file to its first 100 bytes, as a full disk or a copy stopped half way leaves it."""
+    path.write_bytes(path.read_bytes()[:100])
+
+
+@pytest.mark.process
+@pytest.mark.timeout(240)
+def test_a_replay_checkpoint_that_does_not_read_back_is_passed_over_and_kept_aside(tmp_path):
+    from actorq_jax.launch.replay_service import ReplayService
+
+    with dqn_service_learner_actor(tmp_path) as (service, learner, actor):
+        stop = threading.Event()
+        served = service.serve_in_thread(stop)
+        try:
+            sizes = []
+            for _ in range(2):  # two checkpoints, the table bigger at the second
+                for _ in range(3):
+                    actor.run_episode()
+                while learner.step() is None:
+                    pass
+                assert learner.checkpoint(wait=True)
+                sizes.append(learner.items())
+        finally:
+            stop.set()
+            served.join()
+        older, newer = (c["replay_checkpoint"] for c in learner.checkpointer.kept_counters())
+        port, run = service.server.port, dataclasses.replace(service.run, port=service.server.port)
+        service.stop()
+        replay_dir = tmp_path / "replay_checkpoints"
+        # Reverb reads a cut items file as a shorter one; unchecked, the table's counts would let a sampler at it.
+        _cut(replay_dir / newer / "items.tfrecord")
+        restarted = ReplayService(learner.builder, run, tmp_path, "{}", resume=True)
+        try:
+            assert restarted.restored == {"checkpoint": older, "items": sizes[0], "unreadable": [newer]}
+            assert restarted.server.port == port
+        finally:
+            restarted.stop()
+        assert (replay_dir / f"{newer}.unreadable" / "DONE").exists() and not (replay_dir / newer).exists()
+        # None left that reads back (a damaged chunk file this time): the table starts empty, the learner's
+        # state being its own, and nothing is deleted.
+        (replay_dir / older / "chunks.tfrecord").write_bytes(b"not a record")
+        empty = ReplayService(learner.builder, run, tmp_path, "{}", resume=True)
+        try:
+            assert empty.restored == {"checkpoint": None, "items": 0, "unreadable": [older]}
+        finally:
+            empty.stop()
+        assert {p.name for p in replay_dir.iterdir()} >= {f"{older}.unreadable", f"{newer}.unreadable"}
+        # A checkpoint pruned later keeps what was set aside.
+        from actorq_jax.replay.server import prune_checkpoints
+
+        prune_checkpoints(replay_dir, keep=[])
+        assert {p.name for p in replay_dir.iterdir()} == {"reverb", f"{older}.unreadable", f"{newer}.unreadable"}
 
 
 def _listening_ports(pid: int) -> set:

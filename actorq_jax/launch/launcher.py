@@ -205,6 +205,7 @@ class Launcher:
                 return self._start_run(replay, learner, progress_factory, start, attempt + 1)
             return 1
         self.channel.report("launcher", self.started)  # the evaluator's clock starts at the launcher's start
+        self._say_unreadable_replay(self.channel.read("replay").get("restored", {}))
         self._say(f"replay service up; remote actors join with: python -m actorq_jax.launch.actor --server "
                   f"{self._joins(server)}")
         if self._wait_for(learner, "phase") is None:
@@ -347,6 +348,15 @@ class Launcher:
         self._say_unreadable(restored)
         return True
 
+    def _say_unreadable_replay(self, restored: Dict[str, Any]) -> None:
+        """Says which replay checkpoints the service passed over (kept, renamed) and what it loaded instead."""
+        if restored.get("unreadable"):
+            instead = (f"replay checkpoint {restored['checkpoint']}" if restored.get("checkpoint")
+                       else "an empty replay table")
+            self._say(f"replay checkpoint(s) {', '.join(restored['unreadable'])} could not be read and are kept as "
+                      f"replay_checkpoints/<name>.unreadable ({self.dir.log('replay')} says why); the service "
+                      f"started from {instead}")
+
     def _say_unreadable(self, restored: Dict[str, Any]) -> None:
         """Says which newer learner checkpoints a restore passed over (they are kept, renamed)."""
         if restored.get("unreadable"):
@@ -378,6 +388,7 @@ class Launcher:
             self._say(f"port {taken} was taken while the replay service restarted; starting it on port {self.run.port}")
         restored = self.channel.read("replay").get("restored", {})
         self._say(f"replay service back on port {self.run.port} with {restored.get('items', 0)} replay items")
+        self._say_unreadable_replay(restored)
         return address == self.server or self._follow_service(address)
 
     def _port_movable(self, attempt: int) -> bool:

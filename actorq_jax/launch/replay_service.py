@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
 import time
 import uuid
@@ -30,7 +31,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from actorq_jax.launch import runtime
 from actorq_jax.launch.channel import RunChannel, make_channel
-from actorq_jax.launch.checkpoint import read_counters
+from actorq_jax.launch.checkpoint import finished_steps, read_counters
 from actorq_jax.launch.leases import LEASE_REQUESTS, LEASES_TABLE, LeaseBook, lease_tables
 from actorq_jax.net import LOOPBACK
 from actorq_jax.run_dir import RunDir
@@ -63,14 +64,15 @@ def control_tables() -> List[Any]:
     return [make_message_table(REQUESTS_TABLE), make_message_table(REPLIES_TABLE), *make_status_tables()]
 
 
-def restore_point(results_dir: Path) -> Optional[str]:
-    """The replay checkpoint named by the learner's newest checkpoint (None when there is none)."""
+def restore_points(results_dir: Path) -> List[str]:
+    """The replay checkpoints named by the learner's kept checkpoints, newest first (written ones only)."""
     run_dir = RunDir(results_dir)
-    counters = read_counters(run_dir.checkpoints) or {}
-    name = counters.get("replay_checkpoint")
-    if name and (run_dir.replay_checkpoints / name / "DONE").exists():
-        return str(name)
-    return None
+    names: List[str] = []
+    for step in reversed(finished_steps(run_dir.checkpoints)):
+        name = (read_counters(run_dir.checkpoints, step) or {}).get("replay_checkpoint")
+        if name and name not in names and (run_dir.replay_checkpoints / name / "DONE").exists():
+            names.append(str(name))
+    return names
 
 
 class ServiceClient:
@@ -147,19 +149,31 @@ class ReplayService:
                  replay: Any = None):
         from actorq_jax.launch.actor_rows import ACTOR_ROWS_TABLE, ROWS_WRITTEN_TABLE, RowDrain
         from actorq_jax.replay import ReplayServer
+        from actorq_jax.replay.server import UNREADABLE_SUFFIX, ReplayCheckpointUnreadable
 
         self.run = run
         self.results_dir = Path(results_dir)
         self.replay_table = builder.replay_config().name
-        restore = restore_point(self.results_dir) if resume else None
         # What other machines use to reach this server. A local run's processes all share this machine, so
         # it advertises the loopback (a remote actor is given --server by hand); under Ray the host of the
         # service sets advertise_host to its node's IP.
         host = run.advertise_host or LOOPBACK
-        self.server = ReplayServer(runtime.service_tables(builder, replay) + control_tables() + lease_tables(),
-                                   port=run.port or None,
-                                   advertised_host=host, checkpoint_dir=RunDir(self.results_dir).replay_checkpoints,
-                                   restore=restore)
+        checkpoints = RunDir(self.results_dir).replay_checkpoints
+        unreadable: List[str] = []
+        # The newest replay checkpoint pairs with the learner's newest; one that does not load is set aside for
+        # the one before it, and with none left the table starts empty (the learner's state is its own).
+        for restore in [*(restore_points(self.results_dir) if resume else []), None]:
+            try:
+                self.server = ReplayServer(runtime.service_tables(builder, replay) + control_tables() + lease_tables(),
+                                           port=run.port or None, advertised_host=host, checkpoint_dir=checkpoints,
+                                           restore=restore)
+                break
+            except ReplayCheckpointUnreadable as error:
+                log.warning("%s; kept as %s%s", error, restore, UNREADABLE_SUFFIX)
+                aside = checkpoints / f"{restore}{UNREADABLE_SUFFIX}"
+                shutil.rmtree(aside, ignore_errors=True)
+                (checkpoints / str(restore)).rename(aside)
+                unreadable.append(str(restore))
         self.client = self.server.client()
         # Rows and requests a restored table holds were answered before the crash (each checkpoint drains
         # the rows first, and a request is answered after its checkpoint is written).
@@ -175,7 +189,7 @@ class ReplayService:
         self.rows = None if run.launcher == "ray" else RowDrain(self.client, RunDir(self.results_dir).actors,
                                                                  run.num_actors)
         self.leases = LeaseBook(self.client)
-        self.restored = {"checkpoint": restore, "items": self.items()}
+        self.restored = {"checkpoint": restore, "items": self.items(), "unreadable": unreadable}
         # Tells this service apart from the one it replaced on the same port (whose unanswered requests are gone).
         self.incarnation = uuid.uuid4().hex
         self._stopped = False

@@ -77,11 +77,19 @@ def table_layout(client: reverb.Client, table: str, fields: Sequence[str], timeo
     return ItemLayout.from_table(infos[table].signature, table, fields)
 
 
+# A replay checkpoint that could not be loaded is renamed with this suffix: kept for a look, never loaded or pruned.
+UNREADABLE_SUFFIX = ".unreadable"
+
+
+class ReplayCheckpointUnreadable(ValueError):
+    """A replay checkpoint Reverb cannot load (a damaged or missing file)."""
+
+
 def prune_checkpoints(directory: Path, keep: Iterable[str]) -> None:
-    """Deletes the replay checkpoints in `directory` whose names are not in `keep`."""
+    """Deletes the replay checkpoints in `directory` whose names are not in `keep` (unreadable ones set aside stay)."""
     keep = {Path(name).name for name in keep if name} | {_WORK_DIR}
     for path in Path(directory).glob("*"):
-        if path.is_dir() and path.name not in keep:
+        if path.is_dir() and path.name not in keep and not path.name.endswith(UNREADABLE_SUFFIX):
             shutil.rmtree(path, ignore_errors=True)
 
 
@@ -136,6 +144,33 @@ def _check_restored_signatures(tables: Sequence[reverb.Table], client: reverb.Cl
                 f"so its items cannot be read; start a new run, or resume with the version that wrote it")
 
 
+def checkpoint_table_sizes(directory: Path, name: str) -> Dict[str, int]:
+    """{table: items it held} by the counts the replay checkpoint `name` in `directory` recorded (inserts - deletes)."""
+    import tensorflow as tf
+    from reverb.cc.checkpointing import checkpoint_pb2
+
+    sizes = {}
+    for record in tf.data.TFRecordDataset(str(Path(directory) / Path(name).name / "tables.tfrecord"),
+                                          compression_type="ZLIB"):
+        table = checkpoint_pb2.PriorityTableCheckpoint.FromString(record.numpy())
+        sizes[table.table_name] = int(table.rate_limiter.insert_count - table.rate_limiter.delete_count)
+    return sizes
+
+
+def _check_restored_sizes(client: reverb.Client, restore: str, checkpoint_dir: Path) -> None:
+    """Raises ReplayCheckpointUnreadable when a table read back fewer items than its checkpoint's counts record.
+
+    Reverb reads a cut items file as a shorter one; the table's rate limiter would then let a sampler at an
+    empty table, which aborts the process.
+    """
+    infos = client.server_info(timeout=30)
+    for name, recorded in checkpoint_table_sizes(checkpoint_dir, restore).items():
+        if name in infos and infos[name].current_size != recorded:
+            raise ReplayCheckpointUnreadable(
+                f"replay checkpoint {restore!r} in {checkpoint_dir} cannot be read: table {name!r} read back "
+                f"{infos[name].current_size} items where its counts record {recorded} (a damaged or cut file)")
+
+
 class ReplayServer:
     """A Reverb server hosting the given tables; `.address` is what clients connect to.
 
@@ -178,6 +213,11 @@ class ReplayServer:
         except (RuntimeError, ValueError) as error:  # Reverb says only that gRPC did not start: say why if it is the port
             if port is not None and port_in_use(port):
                 raise PortTaken(f"port {port} is taken by another process; the replay server cannot bind it") from error
+            if fallback is not None:
+                # The server loads the checkpoint before it binds: with the port free, the checkpoint is why.
+                first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+                raise ReplayCheckpointUnreadable(
+                    f"replay checkpoint {Path(restore).name!r} in {checkpoint_dir} cannot be read: {first}") from error
             raise
         self._port = self._server.port
         self._host = advertised_host
@@ -185,7 +225,8 @@ class ReplayServer:
         if restore:
             try:
                 _check_restored_signatures(tables, self.client(), restore)
-            except CheckpointMismatch:
+                _check_restored_sizes(self.client(), restore, checkpoint_dir)
+            except (CheckpointMismatch, ReplayCheckpointUnreadable):
                 self.stop()
                 raise
 
