@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -34,7 +35,7 @@ from launch_support import (
 )
 from launch_support import rows as _rows
 
-from actorq_jax.launch.checkpoint import finished_steps
+from actorq_jax.launch.checkpoint import finished_steps, read_counters
 from actorq_jax.launch.flags import parse_run
 
 
@@ -273,6 +274,35 @@ def test_help_documents_every_flag(capsys):
                  "--policy_layers", "--critic_layers", "--update_period", "--max_env_steps", "--max_learner_steps",
                  "--max_seconds", "--results_dir", "--country", "--resume"):
         assert flag in out, flag
+
+
+@pytest.mark.process
+@pytest.mark.timeout(300)
+def test_a_second_stop_request_kills_the_workers_at_once_and_keeps_what_was_written(tmp_path):
+    results = tmp_path / "run"
+    # A final evaluation of 200 episodes a policy takes minutes: the orderly stop is still waiting on it.
+    proc = start_run(results, *TINY, "--num_actors", "1", "--eval_episodes", "200", "--eval_period", "100000",
+                     "--max_seconds", "250", "--tensorboard", "false")
+    try:
+        wait_for(lambda: status(results).get("learner_steps", 0) >= 50, 150, "50 learner steps", proc)
+        pids = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        proc.send_signal(signal.SIGINT)
+        # The learner has written its final checkpoint; the launcher waits on the evaluator's final evaluation.
+        wait_for(lambda: status(results, "launcher").get("learner_ended"), 150, "the learner's end", proc)
+        asked = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+        took = time.monotonic() - asked
+    finally:
+        stop_all(proc)
+    assert proc.returncode == 1, out[-3000:]
+    assert "interrupt again to stop at once" in out and "second stop request: killing the workers now" in out
+    assert took < 30, f"{took:.0f} s from the second request to the launcher's exit"
+    assert alive(pids) == [], f"processes outlived the run: {alive(pids)}"
+    summary = json.loads((results / "summary.json").read_text())
+    final = read_counters(results / "checkpoints")
+    assert summary["exit_code"] == 1 and summary["learner_steps"] == final["learner_steps"] >= 50
+    assert not any(r["final"] == 1 for r in _rows(results / "eval.csv"))  # the final evaluation was cut short
 
 
 @pytest.mark.slow

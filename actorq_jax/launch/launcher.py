@@ -23,7 +23,6 @@ import json
 import math
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -72,6 +71,9 @@ class Launcher:
         self.dir = RunDir(self.results_dir)
         self.stream = stream
         self.stop = runtime.StopFlag()  # set from signal handlers: must take no lock (see StopFlag)
+        # A second stop request while the first is carried out: kill the workers at once (a plain bool, as above).
+        self.hurry = False
+        self._hurry_said = False
         self.workers: List[Worker] = []
         self.events: List[str] = []
         # Where workers run (local subprocesses or Ray actors); everything else here is the same for both.
@@ -109,18 +111,37 @@ class Launcher:
         for w in workers:
             if w.process is not None and not ended(w.process):
                 w.process.send_signal(signal.SIGTERM)
-        if timeout_s <= 0:
+        if timeout_s <= 0 and not self.hurry:
             return
         deadline = time.monotonic() + timeout_s
         for w in workers:
-            if w.process is None:
+            if w.process is None or self._wait_ended(w.process, deadline):
                 continue
-            try:
-                w.process.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            if not self.hurry:
                 self._say(f"{w.name} did not stop within {timeout_s:.0f} s; killing it")
-                w.process.kill()
-                w.process.wait()
+            w.process.kill()
+            w.process.wait()
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        # Flags only: the main thread may be inside a print when the signal lands (see StopFlag).
+        if self.stop.is_set():
+            self.hurry = True
+        self.stop.set()
+
+    def _wait_ended(self, process: Any, deadline: float) -> bool:
+        """Waits until `process` is over, at most until `deadline` or a second stop request; whether it is over."""
+        while not ended(process):
+            if self.hurry:
+                if not self._hurry_said:
+                    self._hurry_said = True
+                    self._say("second stop request: killing the workers now; what they had not finished (the final "
+                              "checkpoint, the final evaluation) is skipped, and --resume goes on from the newest "
+                              "checkpoint written")
+                return False
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
 
     # -- main -----------------------------------------------------------------------
 
@@ -142,7 +163,7 @@ class Launcher:
         self.record.report("launcher", self.started)
         # Before our signal handlers: Ray installs its own when it starts.
         self.placement.open()
-        previous = {sig: signal.signal(sig, lambda *_: self.stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         energy = self.placement.energy_meter(run.country)
         energy.start()
         board = TensorBoardExport(self.results_dir).start() if run.tensorboard else None
@@ -165,7 +186,9 @@ class Launcher:
             exit_code = 1
         finally:
             self._shutdown(replay, learner)
-            if exit_code == 0 and learner.process and ended(learner.process) and learner.process.returncode != 0:
+            if self.hurry and self._hurry_said:
+                exit_code = 1  # no final checkpoint or evaluation: the run did not end complete
+            elif exit_code == 0 and learner.process and ended(learner.process) and learner.process.returncode != 0:
                 self._say(f"learner ended at shutdown ({how_it_ended(learner.process)}):\n{self._log_tail(learner)}")
                 exit_code = 1
             energy_report = energy.stop()
@@ -305,6 +328,8 @@ class Launcher:
                           f"({reach.wall_seconds:.0f} s, {reach.env_steps:,.0f} env steps)")
                 return 0
         self._say(f"{STOP_EVENT}; shutting down")
+        print("[actorq] the final checkpoint and evaluation follow; interrupt again to stop at once",
+              file=self.stream, flush=True)
         return 0
 
     def _restart_actors(self) -> None:
@@ -447,10 +472,7 @@ class Launcher:
         # The learner's final checkpoint and publication go through the service, which is still up. A learner
         # that reported "done" is exiting on its own: a signal now could land in its interpreter's teardown.
         if self.channel.read("learner").get("phase") == "done" and learner.process is not None:
-            try:
-                learner.process.wait(timeout=LEARNER_FINAL_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                pass
+            self._wait_ended(learner.process, time.monotonic() + LEARNER_FINAL_TIMEOUT_S)
         self._terminate([learner], LEARNER_FINAL_TIMEOUT_S)
         self.channel.read("learner")  # its final report (recorded into status/ under Ray)
         # The evaluator's final evaluation waits for the learner's last publication; one that ended without
