@@ -9,7 +9,11 @@ import pytest
 
 from actorq_jax.launch.checkpoint import Checkpointer, CheckpointUnreadable, finished_steps, read_counters
 
-STATE = {"w": jnp.ones((8, 8)), "b": jnp.zeros(8)}
+
+def _template() -> dict:
+    # Built in the test, not at import: an array made at collection starts JAX's threads in every pytest worker,
+    # and a later fork there (a Ray test's node) warns of a deadlock.
+    return {"w": jnp.ones((8, 8)), "b": jnp.zeros(8)}
 
 
 def _saved(directory: Path, steps=(100, 200)) -> None:
@@ -30,7 +34,7 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_the_one_before_restored(tm
     _saved(tmp_path)
     _damage(tmp_path, 200)
     checkpointer = Checkpointer(tmp_path)
-    state, counters = checkpointer.restore(STATE)
+    state, counters = checkpointer.restore(_template())
     assert counters == {"learner_steps": 100} and float(state["w"][0, 0]) == 100.0
     assert checkpointer.restored_step == 100
     assert "checkpoint at learner step 200 cannot be read" in caplog.text
@@ -38,7 +42,7 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_the_one_before_restored(tm
     assert (tmp_path / "200.unreadable" / "state").is_dir() and not (tmp_path / "200").exists()
     assert finished_steps(tmp_path) == [100] and read_counters(tmp_path)["learner_steps"] == 100
     # The manager knows it too: the next checkpoint is written beside step 100, which stays.
-    checkpointer.save(300, STATE, {"learner_steps": 300})
+    checkpointer.save(300, _template(), {"learner_steps": 300})
     assert checkpointer.latest_step() == 300 and finished_steps(tmp_path) == [100, 300]
     checkpointer.close()
 
@@ -47,7 +51,7 @@ def test_a_read_only_restore_passes_a_damaged_checkpoint_over_and_leaves_it(tmp_
     _saved(tmp_path)
     _damage(tmp_path, 200)
     checkpointer = Checkpointer(tmp_path)
-    _, counters = checkpointer.restore(STATE, set_aside=False)
+    _, counters = checkpointer.restore(_template(), set_aside=False)
     checkpointer.close()
     assert counters["learner_steps"] == 100 and finished_steps(tmp_path) == [100, 200]
 
@@ -58,7 +62,7 @@ def test_no_readable_checkpoint_is_an_error_naming_each_step_and_moves_nothing(t
     shutil.rmtree(tmp_path / "100" / "state" / "d")
     checkpointer = Checkpointer(tmp_path)
     with pytest.raises(CheckpointUnreadable) as error:
-        checkpointer.restore(STATE)
+        checkpointer.restore(_template())
     checkpointer.close()
     message = str(error.value)
     assert message.startswith(f"no learner checkpoint in {tmp_path} can be read: step 200: ")
@@ -76,5 +80,5 @@ def test_a_checkpoint_of_another_state_is_unreadable_not_a_library_traceback(tmp
 
 def test_nothing_saved_restores_nothing(tmp_path):
     checkpointer = Checkpointer(tmp_path)
-    assert checkpointer.restore(STATE) is None and checkpointer.restored_step is None
+    assert checkpointer.restore(_template()) is None and checkpointer.restored_step is None
     checkpointer.close()
