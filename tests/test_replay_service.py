@@ -503,6 +503,42 @@ def test_a_service_that_stalls_for_seconds_costs_the_actor_no_episode(tmp_path):
     assert {r["episode_length"] for r in rows(actor_csv)} == {1000}, output[-2000:]
 
 
+@pytest.mark.slow
+@pytest.mark.process
+@pytest.mark.timeout(300)
+def test_a_service_stopped_for_good_is_killed_and_restarted_and_its_clients_go_on(tmp_path):
+    # SIGSTOP without SIGCONT: alive to the launcher, gone to everyone else (a hung process looks the same).
+    results = tmp_path / "run"
+    proc = start_run(results, *TINY, "--num_actors", "1", "--max_seconds", "250")
+    stopped = None
+    try:
+        launcher = psutil.Process(proc.pid)
+        wait_for(lambda: read_counters(results / "checkpoints"), 150, "a first checkpoint", proc)
+        learner = worker_process(launcher, "learner")
+        stopped = status(results, "replay")["pid"]
+        os.kill(stopped, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        wait_for(lambda: status(results, "replay").get("pid") not in (None, stopped)
+                 and status(results, "replay").get("phase") == "running", 120, "the service's restart", proc)
+        took = time.monotonic() - stopped_at
+        steps = status(results).get("learner_steps", 0)
+        wait_for(lambda: status(results).get("learner_steps", 0) >= steps + 50, 120, "learner steps after it", proc)
+        assert worker_process(launcher, "learner").pid == learner.pid  # it reconnected: no restart of its own
+    finally:
+        output = _finish(proc) if proc.poll() is None else proc.communicate()[0]
+        stop_all(proc)
+        if stopped is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stopped, signal.SIGKILL)  # a test that failed early leaves no stopped process behind
+    # Silent for half of --server_timeout_s (60 s by default), then killed and restarted from its checkpoint:
+    # back well inside the window its clients reconnect for.
+    assert "the replay service has not reported for" in output and "killing it" in output, output[-3000:]
+    assert 30 <= took < 60, f"the service came back {took:.0f} s after it stopped"
+    summary = json.loads((results / "summary.json").read_text())
+    assert summary["replay_restarts"] == 1 and summary["exit_code"] == 0
+    assert not any(e.startswith(("learner died", "actor_0 died")) for e in summary["events"]), summary["events"]
+
+
 @pytest.mark.parametrize("flag, learner", [("auto", None), ("cpu", "cpu"), ("gpu", "cuda")])
 def test_every_role_but_the_learner_runs_jax_on_the_cpu(flag, learner):
     from actorq_jax.launch.runtime import jax_platform

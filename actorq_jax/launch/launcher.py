@@ -34,6 +34,7 @@ from actorq_jax.launch.channel import FileChannel, RunChannel, make_channel
 from actorq_jax.launch.checkpoint import read_counters
 from actorq_jax.launch.config import RunConfig, save_config
 from actorq_jax.launch.placement import CpuMeter, LocalPlacement, Placement, WorkerProcess, ended, how_it_ended
+from actorq_jax.launch.replay_service import CHECKPOINT_S_PER_ITEM
 from actorq_jax.net import PortTaken
 from actorq_jax.run_dir import STOP_EVENT, RunDir
 from actorq_jax.telemetry.tensorboard import TensorBoardExport
@@ -45,6 +46,9 @@ EVALUATOR_FINAL_TIMEOUT_S = 600.0
 # Starts on a fresh port when another process took the launcher's pick before the service bound it.
 PORT_ATTEMPTS = 3
 LEARNER_RESTART_STOP_S = 10.0
+# A replay service that is alive but has not reported for this long (or half --server_timeout_s, if longer) is
+# stopped or hung: it is killed and restarted, inside the window its clients keep reconnecting for.
+SERVICE_SILENCE_S = 15.0
 
 
 @dataclasses.dataclass
@@ -71,6 +75,8 @@ class Launcher:
         self.dir = RunDir(self.results_dir)
         self.stream = stream
         self.stop = runtime.StopFlag()  # set from signal handlers: must take no lock (see StopFlag)
+        # The replay service's last new report: ((incarnation, beat), when it was read, the silence it allows).
+        self._service_heard: tuple = (None, time.monotonic(), 0.0)
         # A second stop request while the first is carried out: kill the workers at once (a plain bool, as above).
         self.hurry = False
         self._hurry_said = False
@@ -88,6 +94,7 @@ class Launcher:
     def _start(self, worker: Worker) -> None:
         if worker.role == "replay":  # the port may have been picked again since the service's host started
             worker.args = ["--port", str(self.run.port)]
+            self._service_heard = (None, time.monotonic(), 0.0)  # its silence counts from its start
         # A restarted worker gets new seeds (an actor would otherwise replay its first episodes).
         starts = worker.restarts + worker.moves
         restart = ["--restart", str(starts)] if starts else []
@@ -277,6 +284,7 @@ class Launcher:
             self.cpu.sample(self.workers)
             if ended(replay.process) and not self._restart(replay, run.max_replay_restarts, "address"):
                 return 1
+            self._watch_service(replay)
             if learner.process.poll() == runtime.EXIT_DIVERGED:
                 # Restarting would diverge again from the same checkpoint: the user changes a setting and resumes.
                 report = self.channel.read("learner")
@@ -331,6 +339,26 @@ class Launcher:
         print("[actorq] the final checkpoint and evaluation follow; interrupt again to stop at once",
               file=self.stream, flush=True)
         return 0
+
+    def _watch_service(self, replay: Worker) -> None:
+        """Kills a replay service that is alive but no longer reports (SIGSTOPped, hung): the next pass of the
+        watch restarts it from its checkpoint, and its clients reconnect to it."""
+        report = self.channel.read("replay")
+        beat, heard_at, allowed = self._service_heard
+        now = time.monotonic()
+        if report.get("beat") is not None and (report.get("incarnation"), report["beat"]) != beat:
+            allowed = max(SERVICE_SILENCE_S, self.run.server_timeout_s / 2)
+            if report.get("phase") == "checkpointing":  # its loop is writing the table, which takes time
+                allowed += CHECKPOINT_S_PER_ITEM * int(report.get("items", 0))
+            self._service_heard = ((report.get("incarnation"), report["beat"]), now, allowed)
+            return
+        silent = now - heard_at
+        if allowed and silent > allowed and not ended(replay.process):
+            self._say(f"the replay service has not reported for {silent:.0f} s but is alive (stopped or hung); "
+                      f"killing it")
+            replay.process.kill()
+            replay.process.wait()
+            self._service_heard = (None, now, 0.0)
 
     def _restart_actors(self) -> None:
         """Restarts dead actors and the evaluator within their budget; gives up on those past it."""

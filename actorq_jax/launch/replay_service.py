@@ -198,6 +198,7 @@ class ReplayService:
         last = self.channel.read("replay").get("env_steps", 0) if resume else 0
         self._env_steps_offset = max(0, int(last) - self._inserts())
         self.checkpoints = 0
+        self.beats = 0
 
     def items(self) -> int:
         """Items in the replay table now."""
@@ -228,6 +229,9 @@ class ReplayService:
             return {**reply, "error": f"unknown request {request.get('op')!r}"}
         # Rows in a checkpoint are reset on restore: write the waiting ones first.
         self.drain_rows()
+        # The write holds this loop, and so its reports, for as long as the table takes: the launcher's
+        # watch of this service allows for it.
+        self.report("checkpointing")
         try:
             name = self.server.checkpoint(str(request.get("name")))
         except (ValueError, OSError) as error:
@@ -263,8 +267,10 @@ class ReplayService:
 
     def report(self, phase: str) -> None:
         """Reports to the launcher through the run's channel (address, counters, the restore)."""
+        self.beats += 1
         self.channel.report("replay", {
             "phase": phase,
+            "beat": self.beats,  # the launcher tells a live service from a stopped or hung one by it
             "pid": os.getpid(),
             "address": self.server.address,
             "local_address": f"{LOOPBACK}:{self.server.port}",
