@@ -226,7 +226,7 @@ def _cut(path: Path) -> None:
 
 @pytest.mark.process
 @pytest.mark.timeout(240)
-def test_a_replay_checkpoint_that_does_not_read_back_is_passed_over_and_kept_aside(tmp_path):
+def test_a_replay_checkpoint_that_does_not_read_back_is_passed_over_and_kept_aside(tmp_path, caplog):
     from actorq_jax.launch.replay_service import ReplayService
 
     with dqn_service_learner_actor(tmp_path) as (service, learner, actor):
@@ -267,6 +267,10 @@ def test_a_replay_checkpoint_that_does_not_read_back_is_passed_over_and_kept_asi
         finally:
             empty.stop()
         assert {p.name for p in replay_dir.iterdir()} >= {f"{older}.unreadable", f"{newer}.unreadable"}
+        # Each found before Reverb loads it, and said in one line without TensorFlow's wrapping.
+        said = [r.getMessage() for r in caplog.records if "cannot be read" in r.getMessage()]
+        assert len(said) == 2 and "items in its items file where its counts record" in said[0], said
+        assert not any("{{" in line or "[Op:" in line or "\n" in line for line in said), said
         # A checkpoint pruned later keeps what was set aside.
         from actorq_jax.replay.server import prune_checkpoints
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import shutil
 import time
 from pathlib import Path
@@ -157,6 +158,39 @@ def checkpoint_table_sizes(directory: Path, name: str) -> Dict[str, int]:
     return sizes
 
 
+def check_checkpoint_files(directory: Path, name: str) -> None:
+    """Raises ReplayCheckpointUnreadable unless replay checkpoint `name`'s files read through and hold, table by
+    table, the items its counts record.
+
+    Checked before Reverb loads it: a damaged file found by Reverb's own load fails the server half way
+    through building it.
+    """
+    import tensorflow as tf
+    from google.protobuf.message import DecodeError
+    from reverb.cc import schema_pb2
+
+    folder = Path(directory) / Path(name).name
+    held: Dict[str, int] = {}
+    try:
+        recorded = checkpoint_table_sizes(directory, name)
+        for record in tf.data.TFRecordDataset(str(folder / "items.tfrecord"), compression_type="ZLIB"):
+            table = schema_pb2.PrioritizedItem.FromString(record.numpy()).table
+            held[table] = held.get(table, 0) + 1
+        for _ in tf.data.TFRecordDataset(str(folder / "chunks.tfrecord"), compression_type="ZLIB"):
+            pass  # reading each record checks its length and checksum
+    except (tf.errors.OpError, DecodeError, OSError) as error:
+        text = str(getattr(error, "message", "") or error).strip()
+        # TensorFlow wraps its reason in the op's name: "{{function_node ...}} reason [Op:IteratorGetNext] name:".
+        text = re.sub(r"\s*\[Op:\w+\].*$", "", re.sub(r"^\{\{.*?\}\}\s*", "", text, flags=re.S), flags=re.S)
+        first = text.splitlines()[0] if text else type(error).__name__
+        raise ReplayCheckpointUnreadable(f"replay checkpoint {name!r} in {directory} cannot be read: {first}") from None
+    for table, size in recorded.items():
+        if held.get(table, 0) != size:
+            raise ReplayCheckpointUnreadable(
+                f"replay checkpoint {name!r} in {directory} cannot be read: table {table!r} has {held.get(table, 0)} "
+                f"items in its items file where its counts record {size} (a damaged or cut file)")
+
+
 def _check_restored_sizes(client: reverb.Client, restore: str, checkpoint_dir: Path) -> None:
     """Raises ReplayCheckpointUnreadable when a table read back fewer items than its checkpoint's counts record.
 
@@ -198,6 +232,7 @@ class ReplayServer:
                 fallback = checkpoint_dir / Path(restore).name
                 if not (fallback / "DONE").exists():
                     raise FileNotFoundError(f"replay checkpoint {restore!r} is not in {checkpoint_dir}")
+                check_checkpoint_files(checkpoint_dir, restore)
             work = checkpoint_dir / _WORK_DIR
             # Reverb loads the newest checkpoint in its directory, and the fallback only when that is empty.
             shutil.rmtree(work, ignore_errors=True)
