@@ -519,10 +519,10 @@ def test_a_service_stopped_for_good_is_killed_and_restarted_and_its_clients_go_o
         launcher = psutil.Process(proc.pid)
         wait_for(lambda: read_counters(results / "checkpoints"), 150, "a first checkpoint", proc)
         learner = worker_process(launcher, "learner")
-        stopped = status(results, "replay")["pid"]
-        os.kill(stopped, signal.SIGSTOP)
+        stopped = psutil.Process(status(results, "replay")["pid"])  # psutil knows it from a later process of its pid
+        stopped.suspend()
         stopped_at = time.monotonic()
-        wait_for(lambda: status(results, "replay").get("pid") not in (None, stopped)
+        wait_for(lambda: status(results, "replay").get("pid") not in (None, stopped.pid)
                  and status(results, "replay").get("phase") == "running", 120, "the service's restart", proc)
         took = time.monotonic() - stopped_at
         steps = status(results).get("learner_steps", 0)
@@ -531,9 +531,8 @@ def test_a_service_stopped_for_good_is_killed_and_restarted_and_its_clients_go_o
     finally:
         output = _finish(proc) if proc.poll() is None else proc.communicate()[0]
         stop_all(proc)
-        if stopped is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(stopped, signal.SIGKILL)  # a test that failed early leaves no stopped process behind
+        if stopped is not None and stopped.is_running():
+            stopped.kill()  # a test that failed early leaves no stopped process behind
     # Silent for half of --server_timeout_s (60 s by default), then killed and restarted from its checkpoint:
     # back well inside the window its clients reconnect for.
     assert "the replay service has not reported for" in output and "killing it" in output, output[-3000:]
