@@ -64,6 +64,25 @@ def pytest_xdist_node_collection_finished(node: Any, ids: List[str]) -> None:
                         f"{pytest.__version__}); install the pytest pinned in requirements.txt", returncode=4)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: Any) -> Any:
+    """In a pytest-xdist worker, writes every thread's stack to the run's stderr 3 s before the test's timeout.
+
+    pytest-timeout ends a worker whose test runs past its limit with os._exit, and writes its own dump where a
+    worker's output is lost: the run shows only "node down: Not properly terminated".
+    """
+    marker = item.get_closest_marker("timeout")
+    limit = float(marker.args[0]) if marker and marker.args else float(item.config.getini("timeout") or 0)
+    armed = bool(os.environ.get("PYTEST_XDIST_WORKER")) and _SIGNAL_REPORT is not None and limit > 3
+    if armed:
+        faulthandler.dump_traceback_later(limit - 3, exit=False, file=_SIGNAL_REPORT)
+    try:
+        yield
+    finally:
+        if armed:
+            faulthandler.cancel_dump_traceback_later()
+
+
 def _unit_tier(config: pytest.Config) -> bool:
     return "not process" in (config.getoption("markexpr") or "")
 
