@@ -534,9 +534,10 @@ def test_a_service_stopped_for_good_is_killed_and_restarted_and_its_clients_go_o
         if stopped is not None and stopped.is_running():
             stopped.kill()  # a test that failed early leaves no stopped process behind
     # Silent for half of --server_timeout_s (60 s by default), then killed and restarted from its checkpoint:
-    # back well inside the window its clients reconnect for.
+    # back well inside the window its clients reconnect for. (The silence counts from the last report the launcher
+    # read, up to a second before the stop, and a forked service restarts in about one: hence 25, not 30.)
     assert "the replay service has not reported for" in output and "killing it" in output, output[-3000:]
-    assert 30 <= took < 60, f"the service came back {took:.0f} s after it stopped"
+    assert 25 <= took < 60, f"the service came back {took:.0f} s after it stopped"
     summary = json.loads((results / "summary.json").read_text())
     assert summary["replay_restarts"] == 1 and summary["exit_code"] == 0
     assert not any(e.startswith(("learner died", "actor_0 died")) for e in summary["events"]), summary["events"]
