@@ -603,6 +603,28 @@ def test_the_server_reaches_itself_over_the_loopback_whatever_host_it_advertises
 
 
 @pytest.mark.process
+@pytest.mark.timeout(60)
+def test_a_message_read_that_finds_the_table_emptied_gives_up_at_its_deadline():
+    # A reader that counted its messages on one server and samples from the server restarted behind the same
+    # address meets an empty table: Reverb's own sampler would wait there for ever.
+    from actorq_jax.replay.messages import make_message_table, sample_within, send_message, take_messages
+
+    with ReplayServer([make_message_table("inbox")]) as server:
+        client = server.client()
+        start = time.monotonic()
+        with pytest.raises(reverb.DeadlineExceededError, match="1 item\\(s\\) of table 'inbox' did not come within 0.5 s"):
+            sample_within(client, "inbox", 1, 0.5)
+        assert time.monotonic() - start < 5
+        send_message(client, "inbox", {"n": 1}, 5)
+        send_message(client, "inbox", {"n": 2}, 5)
+        # The reader left behind takes one message when it comes; the next read gets what remains, in order.
+        deadline = time.monotonic() + 10
+        while server.client().server_info(timeout=5)["inbox"].current_size > 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert take_messages(client, "inbox") == [{"n": 2}]
+
+
+@pytest.mark.process
 @pytest.mark.timeout(120)
 def test_a_checkpoint_of_unpacked_items_is_refused_by_name_and_kept(tmp_path):
     # A table as an older version stored it: one column per Transition field.

@@ -10,6 +10,7 @@ its replay writes.
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any, Dict, List, Mapping
 
 import numpy as np
@@ -60,11 +61,36 @@ def send_message(client: reverb.Client, table: str, message: Mapping[str, Any], 
         writer.close()
 
 
+def sample_within(client: reverb.Client, table: str, num_samples: int, timeout_s: float) -> List[Any]:
+    """`num_samples` items of `table`; reverb.DeadlineExceededError when they have not come within `timeout_s`.
+
+    Reverb's sampler has no deadline: one that starts as the server behind the address restarts waits on the
+    new server's empty table for ever, out of reach of signal handlers. It runs in a thread of its own here
+    (Reverb lets go of the GIL while it waits), which is left behind on a timeout.
+    """
+    samples: List[Any] = []
+    errors: List[BaseException] = []
+
+    def take() -> None:
+        try:
+            samples.extend(client.sample(table, num_samples=num_samples, emit_timesteps=False))
+        except BaseException as error:  # handed to the caller's thread below
+            errors.append(error)
+
+    thread = threading.Thread(target=take, name=f"sample {table}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise reverb.DeadlineExceededError(f"{num_samples} item(s) of table {table!r} did not come within {timeout_s:g} s")
+    if errors:
+        raise errors[0]
+    return samples
+
+
 def take_messages(client: reverb.Client, table: str, timeout_s: int = 5) -> List[Dict[str, Any]]:
     """Every message waiting in `table`, oldest first, each decoded (undecodable ones raise ValueError)."""
     size = int(client.server_info(timeout=timeout_s)[table].current_size)
     if size == 0:
         return []
-    # Only this reader removes messages, so `size` are there to read and sampling cannot block.
-    return [decode_message(sample.data[0])
-            for sample in client.sample(table, num_samples=size, emit_timesteps=False)]
+    # Only this reader removes messages, so `size` are there to read, unless the server restarted since.
+    return [decode_message(sample.data[0]) for sample in sample_within(client, table, size, timeout_s)]
