@@ -370,6 +370,8 @@ def run_actor(
         except IdTaken as error:
             log.error("%s", error)  # the one line that says why this actor stops
             return EXIT_ID_TAKEN
+        except TimeoutError as error:
+            raise ServerGone(str(error)) from None
         written = 0
         while not stop.is_set() and (max_episodes is None or written < max_episodes):
             row = actor.run_episode()
@@ -394,8 +396,11 @@ def run_actor(
 
 def fetch_config(address: str, timeout_s: float) -> str:
     """config.json text published on the run's replay service; TimeoutError or ValueError saying what is wrong."""
+    import reverb
+
     from actorq_jax.launch.config import config_from_json
     from actorq_jax.replay import wait_for_server
+    from actorq_jax.replay.messages import sample_one
 
     client = wait_for_server(address, timeout_s=timeout_s)
     deadline = time.monotonic() + timeout_s
@@ -403,7 +408,11 @@ def fetch_config(address: str, timeout_s: float) -> str:
         if time.monotonic() > deadline:
             raise TimeoutError(f"the replay service at {address} published no configuration within {timeout_s:g} s")
         time.sleep(PROBE_EVERY_S)
-    sample = next(client.sample(runtime.CONFIG_TABLE, num_samples=1, emit_timesteps=False))
+    try:
+        sample = sample_one(client, runtime.CONFIG_TABLE, max(1.0, timeout_s))
+    except reverb.DeadlineExceededError:
+        raise TimeoutError(f"the replay service at {address} did not hand out its configuration within "
+                           f"{max(1.0, timeout_s):g} s") from None
     try:
         text = bytes(sample.data[0].astype("uint8")).decode()
         config_from_json(text)

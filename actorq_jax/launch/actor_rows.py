@@ -88,9 +88,11 @@ def row_identity(row: Mapping[str, Any]) -> Optional[Tuple[int, str, int]]:
 
 def read_written(client: Any, timeout_s: int = 5) -> Dict[str, int]:
     """The service's acknowledgements: {"<actor_id>/<incarnation>": newest episode written} ({} before any)."""
+    from actorq_jax.replay.messages import sample_one
+
     if int(client.server_info(timeout=timeout_s)[ROWS_WRITTEN_TABLE].current_size) == 0:
         return {}
-    sample = next(client.sample(ROWS_WRITTEN_TABLE, num_samples=1, emit_timesteps=False))
+    sample = sample_one(client, ROWS_WRITTEN_TABLE, timeout_s)
     return dict(json.loads(bytes(sample.data[0]).decode()))
 
 
@@ -208,13 +210,15 @@ class RowDrain:
 
     def drain(self, timeout_s: int = 5) -> int:
         """Writes every row waiting in the table to its actor's CSV; how many were written."""
+        from actorq_jax.replay.messages import sample_within
+
         size = int(self._client.server_info(timeout=timeout_s)[ACTOR_ROWS_TABLE].current_size)
         if size == 0:
             return 0
-        # Only this drain removes rows, and an overflowing table drops one row per row added, so
-        # `size` rows are there to read: the sampler cannot block.
+        # Only this drain removes rows, and an overflowing table drops one row per row added, so `size` rows
+        # are there to read, unless the server restarted since (then its table is empty: bounded).
         written = 0
-        for sample in self._client.sample(ACTOR_ROWS_TABLE, num_samples=size, emit_timesteps=False):
+        for sample in sample_within(self._client, ACTOR_ROWS_TABLE, size, timeout_s):
             try:
                 row = decode_row(sample.data[0])
                 taken = check_remote_actor_id(row["actor_id"], self._num_local)

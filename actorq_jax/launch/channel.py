@@ -113,15 +113,15 @@ class ServiceChannel:
         """`role`'s last report ({} before the first, or while the server does not answer)."""
         import reverb
 
-        from actorq_jax.replay.messages import decode_message
+        from actorq_jax.replay.messages import decode_message, sample_one
 
         table = status_table(role)
         try:
             client = self._connected()
             if int(client.server_info(timeout=CALL_TIMEOUT_S)[table].current_size) == 0:
                 return {}
-            # Size-1 tables never empty once filled (an insert replaces the item), so this sample cannot block.
-            sample = next(client.sample(table, num_samples=1, emit_timesteps=False))
+            # Size-1 tables never empty once filled (an insert replaces the item), but a restarted server's do.
+            sample = sample_one(client, table, CALL_TIMEOUT_S)
             report = self._newer(role, decode_message(sample.data[0]))
         except (reverb.DeadlineExceededError, RuntimeError, ConnectionError, KeyError, ValueError):
             self._client = None

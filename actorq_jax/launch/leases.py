@@ -99,9 +99,11 @@ class LeaseBook:
 
 def read_leases(client: Any, timeout_s: int = 5) -> Dict[str, Any]:
     """What the service published: {"leases": {actor_id: {holder, token}}, "refused": {token: holder}}."""
+    from actorq_jax.replay.messages import sample_one
+
     if int(client.server_info(timeout=timeout_s)[LEASES_TABLE].current_size) == 0:
         return {"leases": {}, "refused": {}}
-    sample = next(client.sample(LEASES_TABLE, num_samples=1, emit_timesteps=False))
+    sample = sample_one(client, LEASES_TABLE, timeout_s)
     state = json.loads(bytes(sample.data[0]).decode())
     return {"leases": {int(k): v for k, v in state["leases"].items()}, "refused": state["refused"]}
 
@@ -136,10 +138,20 @@ class IdLease:
             log.warning("the server at %s keeps no actor-id leases; actor id %d goes unguarded",
                         self.address, self.actor_id)
             return
-        self._send(client)
         deadline = time.monotonic() + timeout_s
+        sent = False
         while time.monotonic() < deadline:
-            state = read_leases(client)
+            try:
+                if not sent:
+                    self._send(client)
+                    sent = True
+                state = read_leases(client, timeout_s=max(1, min(5, int(deadline - time.monotonic()))))
+            except (reverb.DeadlineExceededError, RuntimeError) as error:
+                # The service restarting: the request is sent again to the new one, until the deadline.
+                log.debug("the lease request or its answer failed: %s", error)
+                client, sent = reverb.Client(self.address), False
+                time.sleep(0.2)
+                continue
             lease = state["leases"].get(self.actor_id)
             if lease is not None and lease["token"] == self.token:
                 self._thread = threading.Thread(target=self._renew, name="IdLease", daemon=True)

@@ -87,6 +87,11 @@ def sample_within(client: reverb.Client, table: str, num_samples: int, timeout_s
     return samples
 
 
+def sample_one(client: reverb.Client, table: str, timeout_s: float) -> Any:
+    """One item of `table` (a ReplaySample); reverb.DeadlineExceededError when none has come within `timeout_s`."""
+    return sample_within(client, table, 1, timeout_s)[0]
+
+
 def take_messages(client: reverb.Client, table: str, timeout_s: int = 5) -> List[Dict[str, Any]]:
     """Every message waiting in `table`, oldest first, each decoded (undecodable ones raise ValueError)."""
     size = int(client.server_info(timeout=timeout_s)[table].current_size)

@@ -18,6 +18,7 @@ import reverb
 
 from actorq_jax.quantization import QuantConfig, from_wire, quantize, to_wire, wire_nbytes
 from actorq_jax.quantization.wire import wire_meta
+from actorq_jax.replay.messages import sample_one
 from actorq_jax.replay.server import parse_address
 
 log = logging.getLogger(__name__)
@@ -314,7 +315,12 @@ class VariableClient:
         if inserts == self._seen_inserts:
             self.skipped += 1
             return
-        sample = next(client.sample(self.table, num_samples=1, emit_timesteps=False))
+        try:
+            # Bounded: a server that restarts between the size check and the sample has an empty table.
+            sample = sample_one(client, self.table, self._rpc_timeout)
+        except reverb.DeadlineExceededError as error:
+            raise ConnectionError(
+                f"no policy came from table {self.table!r} at {self.address} within {self._rpc_timeout} s") from error
         arrays = list(sample.data)
         t1, c1 = time.perf_counter(), time.thread_time()
         # A bad item is rejected once: its insert count is not pulled again, and its key is not decoded again
