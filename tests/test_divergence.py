@@ -37,10 +37,15 @@ def test_a_resumed_run_may_change_its_step_sizes_and_nothing_else(tmp_path, caps
     kept_run, same = parse_run("d4pg", ["--resume", str(results), "--batch_size", "16", "--max_seconds", "5"])
     assert same.batch_size == agent.batch_size == 16 and same.policy_layers == agent.policy_layers
     assert kept_run.max_seconds == 5 and kept_run.num_actors == run.num_actors
+    # The wire's width left unset is the actors' width: naming it is no change either.
+    assert run.comm_bits is None and run.actor_bits == 8
+    wired, _ = parse_run("d4pg", ["--resume", str(results), "--comm_bits", "8"])
+    assert wired.wire_bits == 8
     # Any other change would be dropped without a word: it is refused by name, with the run's value.
     for flags, named in ((["--batch_size", "64"], "--batch_size: the resumed run has 16"),
                          (["--num_actors", str(run.num_actors + 1)], f"--num_actors: the resumed run has {run.num_actors}"),
                          (["--policy_layers", "8,8"], "--policy_layers: the resumed run has"),
+                         (["--comm_bits", "32"], "--comm_bits: the resumed run has 8"),
                          (["--results_dir", str(tmp_path / "elsewhere")], "is not the resumed run's directory")):
         with pytest.raises(SystemExit) as exit_info:
             parse_run("d4pg", ["--resume", str(results), *flags])

@@ -199,9 +199,12 @@ def _resume(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Seq
     for config in (run, agent_config):
         for field in flag_fields(type(config), skip=(*_SPECIAL_RUN_FIELDS, "results_dir")):
             name = field.name
-            if name in resumable or not _given(argv, name) or _same(getattr(args, name), getattr(config, name)):
+            kept = getattr(config, name)
+            if name == "comm_bits" and kept is None:
+                kept = run.actor_bits  # unset means the actors' width: giving that width keeps the run's wire
+            if name in resumable or not _given(argv, name) or _same(getattr(args, name), kept):
                 continue
-            parser.error(f"--{name}: the resumed run has {getattr(config, name)!r}, which a resume keeps; it may change "
+            parser.error(f"--{name}: the resumed run has {kept!r}, which a resume keeps; it may change "
                          f"only {', '.join('--' + n for n in resumable)}; start a new run to change --{name}")
     # The directory named now, not the one config.json recorded: the run may have moved, or be resumed from
     # another working directory than the relative path it was started with.
