@@ -543,6 +543,50 @@ def test_a_service_stopped_for_good_is_killed_and_restarted_and_its_clients_go_o
     assert not any(e.startswith(("learner died", "actor_0 died")) for e in summary["events"]), summary["events"]
 
 
+@pytest.mark.slow
+@pytest.mark.process
+@pytest.mark.timeout(300)
+def test_a_learner_and_an_actor_stopped_for_good_are_killed_and_restarted(tmp_path):
+    # SIGSTOP without SIGCONT: the processes are alive, and neither SGD steps nor env steps come from them (a
+    # hung one looks the same). Both at once, as a frozen machine would.
+    results = tmp_path / "run"
+    proc = start_run(results, *TINY, "--num_actors", "1", "--server_timeout_s", "5", "--max_seconds", "250")
+    stopped = []
+    try:
+        launcher = psutil.Process(proc.pid)
+        wait_for(lambda: read_counters(results / "checkpoints"), 150, "a first checkpoint", proc)
+        # Past its first SGD call (which compiles the step), it asks for no more silence than its waits need.
+        wait_for(lambda: 0 < status(results).get("quiet_s", 0) < 60, 60, "the learner's compiled step", proc)
+        report = status(results)
+        allowed = report["quiet_s"]
+        stopped = [psutil.Process(report["pid"]), worker_process(launcher, "actor", actor_id=0)]
+        for process in stopped:
+            process.suspend()
+        stopped_at = time.monotonic()
+        wait_for(lambda: status(results).get("pid") not in (None, stopped[0].pid), 120, "the learner's restart", proc)
+        took = time.monotonic() - stopped_at
+        wait_for(lambda: worker_process(launcher, "actor", actor_id=0, restart=1), 120, "actor_0's restart", proc)
+        actor_took = time.monotonic() - stopped_at
+        restored = status(results)["learner_steps"]
+        wait_for(lambda: status(results).get("learner_steps", 0) >= restored + 20, 120, "SGD steps after it", proc)
+    finally:
+        output = _finish(proc) if proc.poll() is None else proc.communicate()[0]
+        stop_all(proc)
+        for process in stopped:
+            if process is not None and process.is_running():
+                process.kill()  # a test that failed early leaves no stopped process behind
+    assert "the learner has not reported for" in output and "killing it" in output, output[-3000:]
+    # Killed once the silence its last report allowed (2 x 5 s of waits and a 15 s margin) ran out; the
+    # restart restores a checkpoint and compiles again, well inside a minute here.
+    assert 25 <= allowed < 30 and allowed - 2 <= took < allowed + 60, (allowed, took)
+    # The actor's lease stays held until it expires (its 10 s life, from the last renewal), then 30 s more.
+    assert "actor_0 has not renewed its id lease for" in output, output[-3000:]
+    assert 25 <= actor_took < 60, actor_took
+    summary = json.loads((results / "summary.json").read_text())
+    assert summary["learner_restarts"] == 1 and summary["replay_restarts"] == 0 and summary["exit_code"] == 0
+    assert any(e.startswith("actor_0 died") and "restart 1/" in e for e in summary["events"]), summary["events"]
+
+
 @pytest.mark.parametrize("flag, learner", [("auto", None), ("cpu", "cpu"), ("gpu", "cuda")])
 def test_every_role_but_the_learner_runs_jax_on_the_cpu(flag, learner):
     from actorq_jax.launch.runtime import jax_platform

@@ -33,6 +33,7 @@ from actorq_jax.launch import runtime
 from actorq_jax.launch.channel import FileChannel, RunChannel, make_channel
 from actorq_jax.launch.checkpoint import read_counters
 from actorq_jax.launch.config import RunConfig, save_config
+from actorq_jax.launch.leases import LEASE_TTL_S, read_leases
 from actorq_jax.launch.placement import CpuMeter, LocalPlacement, Placement, WorkerProcess, ended, how_it_ended
 from actorq_jax.launch.replay_service import CHECKPOINT_S_PER_ITEM
 from actorq_jax.net import PortTaken
@@ -49,6 +50,13 @@ LEARNER_RESTART_STOP_S = 10.0
 # A replay service that is alive but has not reported for this long (or half --server_timeout_s, if longer) is
 # stopped or hung: it is killed and restarted, inside the window its clients keep reconnecting for.
 SERVICE_SILENCE_S = 15.0
+# The learner's reports travel through the service: its silence counts only while the service was heard this
+# recently (the service reports twice a second).
+SERVICE_HEARD_S = 3.0
+# An actor whose id lease went unrenewed for this long, while the service was heard, is stopped (a renewal
+# every LEASE_TTL_S / 3; a restarted service learns the leases again from the next ones).
+LEASE_LOST_S = 3 * LEASE_TTL_S
+LEASE_READ_EVERY_S = 2.0
 
 
 @dataclasses.dataclass
@@ -63,6 +71,8 @@ class Worker:
     restarts: int = 0
     moves: int = 0  # restarts to follow a replay service that moved (not failures: they spend no restart budget)
     gave_up: bool = False
+    # An actor's lease on its id, renewed by a thread of its own: when it was last seen held by this process.
+    lease_seen_at: Optional[float] = None
 
 
 class Launcher:
@@ -77,6 +87,10 @@ class Launcher:
         self.stop = runtime.StopFlag()  # set from signal handlers: must take no lock (see StopFlag)
         # The replay service's last new report: ((incarnation, beat), when it was read, the silence it allows).
         self._service_heard: tuple = (None, time.monotonic(), 0.0)
+        # The same for the learner: ((pid, beat), when it was read, the silence its last report asked for).
+        self._learner_heard: tuple = (None, time.monotonic(), 0.0)
+        self._leases_read_at = 0.0
+        self._lease_client: Any = None
         # A second stop request while the first is carried out: kill the workers at once (a plain bool, as above).
         self.hurry = False
         self._hurry_said = False
@@ -95,6 +109,9 @@ class Launcher:
         if worker.role == "replay":  # the port may have been picked again since the service's host started
             worker.args = ["--port", str(self.run.port)]
             self._service_heard = (None, time.monotonic(), 0.0)  # its silence counts from its start
+        if worker.role == "learner":
+            self._learner_heard = (None, time.monotonic(), 0.0)
+        worker.lease_seen_at = None
         # A restarted worker gets new seeds (an actor would otherwise replay its first episodes).
         starts = worker.restarts + worker.moves
         restart = ["--restart", str(starts)] if starts else []
@@ -293,11 +310,13 @@ class Launcher:
             # Whether it had ended before its status is read: a learner reports "done", then exits at once.
             learner_ended = ended(learner.process)
             status = self.channel.read("learner")
+            self._watch_learner(learner, status)
             if status.get("phase") == "done":
                 self._say("learner reached its step budget")
                 return 0
             if learner_ended and not self._restart(learner, run.max_learner_restarts, "phase"):
                 return 1
+            self._watch_actor_leases(actors)
             self._restart_actors()
             env_steps = int(self.channel.read("replay").get("env_steps", 0))
             learner_steps = int(status.get("learner_steps", 0))
@@ -359,6 +378,55 @@ class Launcher:
             replay.process.kill()
             replay.process.wait()
             self._service_heard = (None, now, 0.0)
+
+    def _watch_learner(self, learner: Worker, status: Dict[str, Any]) -> None:
+        """Kills a learner that is alive but silent past what its last report allowed (SIGSTOPped, hung): the next
+        pass of the watch restarts it from its checkpoint."""
+        beat, heard_at, allowed = self._learner_heard
+        now = time.monotonic()
+        if status.get("beat") is not None and (status.get("pid"), status["beat"]) != beat:
+            self._learner_heard = ((status.get("pid"), status["beat"]), now, float(status.get("quiet_s", 0.0)))
+            return
+        if now - self._service_heard[1] > SERVICE_HEARD_S:
+            self._learner_heard = (beat, now, allowed)  # no report of its could have come: the silence is not its
+            return
+        silent = now - heard_at
+        if allowed and silent > allowed and not ended(learner.process):
+            self._say(f"the learner has not reported for {silent:.0f} s but is alive (stopped or hung); killing it")
+            learner.process.kill()
+            learner.process.wait()
+            self._learner_heard = (None, now, 0.0)
+
+    def _watch_actor_leases(self, actors: List[Worker]) -> None:
+        """Kills an actor that is alive but no longer renews its id lease (SIGSTOPped, or frozen with the GIL held):
+        the next pass of the watch restarts it."""
+        import reverb
+
+        now = time.monotonic()
+        if now - self._leases_read_at < LEASE_READ_EVERY_S:
+            return
+        self._leases_read_at = now
+        try:
+            if self._lease_client is None:
+                self._lease_client = reverb.Client(self.server)
+            leases = read_leases(self._lease_client, timeout_s=2)["leases"]
+        except (reverb.DeadlineExceededError, RuntimeError, ConnectionError, KeyError, ValueError):
+            self._lease_client = None
+            leases = None
+        service_heard = leases is not None and now - self._service_heard[1] <= SERVICE_HEARD_S
+        for w in actors:
+            if w.gave_up or ended(w.process):
+                continue
+            held = service_heard and str(leases.get(int(w.name.rpartition("_")[2]), {}).get("holder", "")
+                                         ).endswith(f":{w.process.pid}")
+            if held or (not service_heard and w.lease_seen_at is not None):
+                w.lease_seen_at = now  # a silent service renews no one's lease: the time is not the actor's
+            elif w.lease_seen_at is not None and now - w.lease_seen_at > LEASE_LOST_S:
+                self._say(f"{w.name} has not renewed its id lease for {now - w.lease_seen_at:.0f} s but is alive "
+                          f"(stopped or frozen); killing it")
+                w.process.kill()
+                w.process.wait()
+                w.lease_seen_at = None
 
     def _restart_actors(self) -> None:
         """Restarts dead actors and the evaluator within their budget; gives up on those past it."""
@@ -471,6 +539,7 @@ class Launcher:
                   f"checkpoint), the actors and the evaluator there; remote actors started by hand must be "
                   f"started again with --server {self._joins(address)}")
         self.server = address
+        self._lease_client = None
         followers = [w for w in self.workers if w.role != "replay" and not w.gave_up]
         self.cpu.sample(followers)
         for w in followers:

@@ -29,7 +29,7 @@ from actorq_jax.launch import runtime
 from actorq_jax.launch.channel import RunChannel, make_channel
 from actorq_jax.launch.checkpoint import Checkpointer, CheckpointUnreadable, finished_steps
 from actorq_jax.launch.config import RunConfig
-from actorq_jax.launch.replay_service import ServiceClient, ServiceError, checkpoint_request
+from actorq_jax.launch.replay_service import CHECKPOINT_S_PER_ITEM, ServiceClient, ServiceError, checkpoint_request
 from actorq_jax.launch.run_rows import drop_rows_after, row_log
 from actorq_jax.quantization import QuantConfig
 from actorq_jax.replay import VariablePublisher
@@ -45,6 +45,10 @@ SAMPLE_TIMEOUT_MS = 1000
 # How long the final hand-over waits for the background publisher to send the last version.
 FINAL_PUBLISH_TIMEOUT_S = 120.0
 REPORT_EVERY_S = 1.0
+# The silence a learner asks the launcher to allow between two reports, beyond what its waits are bounded by:
+# the first SGD call compiles the step (a minute for large networks on a busy CPU), and a margin for the rest.
+FIRST_CALL_S = 300.0
+QUIET_MARGIN_S = 15.0
 SERVICE_START_TIMEOUT_S = 300.0
 # How often SGD looks for the reply to a checkpoint the service is writing (a look is one server_info call),
 # and how often a learner that waits for it does.
@@ -394,6 +398,7 @@ def run_learner(run: RunConfig, agent_config: Any, address: str, stop: threading
                                              and learner.steps >= run.max_learner_steps):
                 metrics = learner.step()
                 if metrics is not None:
+                    report.compiled = True
                     _after_step(learner, csv_log, metrics)
                 report.maybe("running")
         except Diverged:
@@ -460,17 +465,32 @@ class StatusReport:
         self.start = start
         self.channel = channel
         self.last = 0.0
+        self.beats = 0
+        self.compiled = False  # whether an SGD call ran (the first one compiles the step)
 
-    def __call__(self, phase: str, **extra: Any) -> None:
+    def quiet_s(self, env_steps: int) -> float:
+        """The longest the learner may stay silent after this report: each wait of a loop pass is bounded."""
+        run = self.learner.run
+        items = min(env_steps, int(self.learner.builder.replay_config().max_size))
+        # The service away (wait_for_service), then an earlier checkpoint's reply, then every batch of a call.
+        quiet = (2 * run.server_timeout_s + CHECKPOINT_S_PER_ITEM * items
+                 + run.sgd_steps_per_call * SAMPLE_TIMEOUT_MS / 1000 + QUIET_MARGIN_S)
+        return quiet + (0.0 if self.compiled else FIRST_CALL_S)
+
+    def __call__(self, phase: str, more_quiet_s: float = 0.0, **extra: Any) -> None:
         learner = self.learner
+        env_steps = learner.env_steps()
+        self.beats += 1
         self.channel.report("learner", {
             **extra,
             "phase": phase,
+            "beat": self.beats,  # the launcher tells a live learner from a stopped or hung one by it
+            "quiet_s": self.quiet_s(env_steps) + more_quiet_s,
             "pid": os.getpid(),
             "address": learner.address,  # the replay service it samples
             "platform": jax.default_backend(),
             "learner_steps": learner.steps,
-            "env_steps": learner.env_steps(),
+            "env_steps": env_steps,
             "wall_seconds": time.monotonic() - self.start,
             "restored": learner.restored,
             # Finished checkpoints on this node (under Ray the launcher's process copies each new one).
@@ -488,6 +508,7 @@ class StatusReport:
 
 def _hand_over(learner: Learner, csv_log: LearnerLog, report: StatusReport) -> None:
     """Final publication for the evaluator, a last checkpoint (replay included), flushed logs."""
+    report("stopping", more_quiet_s=FINAL_PUBLISH_TIMEOUT_S)
     learner.publish(evaluation=True)
     if not learner.publisher.close(FINAL_PUBLISH_TIMEOUT_S):
         log.warning("the final version was not published within %.0f s", FINAL_PUBLISH_TIMEOUT_S)
