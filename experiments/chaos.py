@@ -11,7 +11,8 @@ id (the second must exit 2 naming the id), once it stops the whole run and resum
 once it inserts a malformed payload into the variables table. Then it runs an undisturbed run of the
 same number of learner steps and checks: every actor CSV row well-formed; learner steps and env steps
 monotonic across the whole run (learner.csv and the summary of each launch); no process left; the
-paused service held everyone; the duplicate id refused; no non-finite parameter published (no actor
+paused service held everyone; no live process was killed as hung (every fault kills, or pauses for less
+than any watchdog allows); the duplicate id refused; no non-finite parameter published (no actor
 rejected more payloads than the malformed ones injected, no launch ended diverged); the chaos run's
 final evaluation return within the range of the undisturbed run's evaluations. Prints one line per
 check; exit code 0 when every check passes, 1 otherwise.
@@ -50,6 +51,9 @@ QUICK_FLAGS = ["--max_replay_size", "5000", "--checkpoint_period", "500"]
 SPECIAL = ("kill_learner", "kill_replay", "pause_replay", "duplicate_actor", "stop_and_resume", "malformed_payload")
 # SIGSTOP of the replay service: well inside RUN_FLAGS' --server_timeout_s, so it must go unnoticed.
 PAUSE_S = 5.0
+# What the launcher says when it kills a live worker that went silent (a stopped or hung one).
+SILENCE_KILLS = "but is alive (stopped or hung); killing it"
+LEASE_KILLS = "has not renewed its id lease for"
 
 
 @dataclasses.dataclass
@@ -334,6 +338,11 @@ def check(soak: Soak, disturbed: Dict[str, Any], reference_dir: Path) -> List[tu
     results.append(("paused replay service held everyone", bool(pause) and not pause["gone"] and pause["trained_after"],
                     f"SIGSTOP {PAUSE_S:.0f} s: exited meanwhile {pause.get('gone')}, learner trained after: "
                     f"{pause.get('trained_after')}"))
+    # Every fault injected either kills (and the launcher restarts on the death) or pauses for less than any
+    # watchdog allows: a process killed for its silence would be a watchdog mistaking a busy process for a hung one.
+    silenced = [e for s in summaries for e in s.get("events", []) if SILENCE_KILLS in e or LEASE_KILLS in e]
+    results.append(("no live process killed as hung", not silenced,
+                    f"{len(silenced)} killed for their silence: {silenced[:3]}"))
     duplicate = events.get("duplicate", {})
     results.append(("duplicate actor id refused", bool(duplicate) and duplicate["second_code"] == 2
                     and duplicate["said"] and duplicate["first_running"] and duplicate["first_code"] == 0,
