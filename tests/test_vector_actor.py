@@ -169,6 +169,7 @@ def test_bad_envs_per_actor_exits_2_naming_the_flag(value, tmp_path, capsys):
     (["--actor_id", "-1"], "--actor_id must be >= 0 (it seeds the actor's environments), got -1"),
     (["--envs_per_actor", "0"], "--envs_per_actor must be >= 1, got 0"),
     (["--server", "127.0.0.1"], "--server: server address must look like 'host:port'"),
+    (["--log_dir", __file__], f"--log_dir: {__file__} cannot be created: {__file__} is a file, not a directory"),
 ])
 def test_a_joining_actors_bad_flags_exit_2_before_it_connects(flags, says, capsys):
     assert says in usage_error(capsys, lambda: actor_module.main(["--server", "127.0.0.1:1", *flags]))

@@ -444,6 +444,11 @@ def main(argv: Optional[list] = None) -> int:
         parser.error(f"--max_episodes must be >= 1, got {args.max_episodes}")
     if args.server_timeout_s is not None and not args.server_timeout_s > 0:
         parser.error(f"--server_timeout_s must be > 0, got {args.server_timeout_s}")
+    from actorq_jax.launch.flags import results_dir_problem
+
+    problem = results_dir_problem(Path(args.log_dir))
+    if problem:  # found now, not after the wait for the service and the first episode
+        parser.error(f"--log_dir: {problem}")
     try:
         from actorq_jax.replay.server import parse_address
 
