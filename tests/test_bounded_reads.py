@@ -100,3 +100,11 @@ def test_a_rows_drain_gives_up_and_writes_nothing(tmp_path):
             drain.drain(timeout_s=1)
         drain.close()
         assert list(tmp_path.iterdir()) == []
+
+
+def test_an_actor_id_lease_on_a_service_that_does_not_answer_is_a_timeout():
+    import portpicker
+
+    lease = IdLease(f"127.0.0.1:{portpicker.pick_unused_port()}", actor_id=3)
+    with within(15), pytest.raises(TimeoutError, match="did not answer within 1 s, before the lease on actor id 3"):
+        lease.acquire(timeout_s=1)

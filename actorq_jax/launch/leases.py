@@ -133,7 +133,12 @@ class IdLease:
         import reverb
 
         client = reverb.Client(self.address)
-        if LEASE_REQUESTS not in client.server_info(timeout=max(1, int(timeout_s))):
+        try:
+            tables = client.server_info(timeout=max(1, int(timeout_s)))
+        except reverb.DeadlineExceededError:
+            raise TimeoutError(f"the replay service at {self.address} did not answer within {timeout_s:g} s, before "
+                               f"the lease on actor id {self.actor_id} was asked for") from None
+        if LEASE_REQUESTS not in tables:
             # A bare Reverb server (a test's or a benchmark's), not a replay service: there is no one to ask.
             log.warning("the server at %s keeps no actor-id leases; actor id %d goes unguarded",
                         self.address, self.actor_id)
