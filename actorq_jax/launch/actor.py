@@ -481,4 +481,8 @@ def main(argv: Optional[list] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        exit_code = main()
+    except SystemExit as exit_info:  # argparse's usage errors
+        exit_code = exit_info.code if isinstance(exit_info.code, int) else 1
+    runtime.exit_now(exit_code)

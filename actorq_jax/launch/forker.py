@@ -176,14 +176,9 @@ def _run_worker(request: Dict) -> None:
 
         traceback.print_exc()
     finally:
-        # As a worker's own interpreter would at exit, but without tearing its objects down: a Reverb
-        # dataset whose server is gone can block its destructor forever.
-        import atexit
+        from actorq_jax.launch import runtime  # loaded already: the template imported it
 
-        atexit._run_exitfuncs()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(int(code or 0))
+        runtime.exit_now(code)
 
 
 def _serve() -> int:
