@@ -435,6 +435,9 @@ def test_a_service_that_comes_back_at_a_new_address_is_followed_by_the_learner_a
         env_steps = status(results, "replay")["env_steps"]
         wait_for(lambda: status(results, "replay")["env_steps"] > env_steps, 90, "the actor's inserts at the new port",
                  proc)
+        # Rows are written as episodes end: the run goes on until the restarted actor has finished one.
+        wait_for(lambda: len({r["incarnation"] for r in rows(results / "actors" / "actor_0.csv")}) == 2, 120,
+                 "an episode of actor 0 at the new port", proc)
     finally:
         output = _finish(proc) if proc.poll() is None else proc.communicate()[0]
         stop_all(proc)
