@@ -60,6 +60,27 @@ LEASE_READ_EVERY_S = 2.0
 
 
 @dataclasses.dataclass
+class Silence:
+    """A live worker's reports as its watchdog sees them: the last new one, when it was read, the silence allowed."""
+
+    key: Any = None
+    heard_at: float = dataclasses.field(default_factory=time.monotonic)
+    allowed: float = 0.0
+
+    def heard(self, key: Any, allowed: float, now: float) -> bool:
+        """Notes a report identified by `key` (None: no report); whether it is new, and `allowed` now applies."""
+        if key is None or key == self.key:
+            return False
+        self.key, self.heard_at, self.allowed = key, now, allowed
+        return True
+
+    def over(self, now: float) -> Optional[float]:
+        """The silence so far when it is past the one allowed, else None."""
+        silent = now - self.heard_at
+        return silent if self.allowed and silent > self.allowed else None
+
+
+@dataclasses.dataclass
 class Worker:
     """One child process and how to start it again."""
 
@@ -85,10 +106,9 @@ class Launcher:
         self.dir = RunDir(self.results_dir)
         self.stream = stream
         self.stop = runtime.StopFlag()  # set from signal handlers: must take no lock (see StopFlag)
-        # The replay service's last new report: ((incarnation, beat), when it was read, the silence it allows).
-        self._service_heard: tuple = (None, time.monotonic(), 0.0)
-        # The same for the learner: ((pid, beat), when it was read, the silence its last report asked for).
-        self._learner_heard: tuple = (None, time.monotonic(), 0.0)
+        # The replay service's and the learner's reports, for the watchdogs of live but silent workers.
+        self._service_silence = Silence()
+        self._learner_silence = Silence()
         self._leases_read_at = 0.0
         self._lease_client: Any = None
         # A second stop request while the first is carried out: kill the workers at once (a plain bool, as above).
@@ -108,9 +128,9 @@ class Launcher:
     def _start(self, worker: Worker) -> None:
         if worker.role == "replay":  # the port may have been picked again since the service's host started
             worker.args = ["--port", str(self.run.port)]
-            self._service_heard = (None, time.monotonic(), 0.0)  # its silence counts from its start
+            self._service_silence = Silence()  # its silence counts from its start
         if worker.role == "learner":
-            self._learner_heard = (None, time.monotonic(), 0.0)
+            self._learner_silence = Silence()
         worker.lease_seen_at = None
         # A restarted worker gets new seeds (an actor would otherwise replay its first episodes).
         starts = worker.restarts + worker.moves
@@ -363,39 +383,37 @@ class Launcher:
         """Kills a replay service that is alive but no longer reports (SIGSTOPped, hung): the next pass of the
         watch restarts it from its checkpoint, and its clients reconnect to it."""
         report = self.channel.read("replay")
-        beat, heard_at, allowed = self._service_heard
         now = time.monotonic()
-        if report.get("beat") is not None and (report.get("incarnation"), report["beat"]) != beat:
-            allowed = max(SERVICE_SILENCE_S, self.run.server_timeout_s / 2)
-            if report.get("phase") == "checkpointing":  # its loop is writing the table, which takes time
-                allowed += CHECKPOINT_S_PER_ITEM * int(report.get("items", 0))
-            self._service_heard = ((report.get("incarnation"), report["beat"]), now, allowed)
+        allowed = max(SERVICE_SILENCE_S, self.run.server_timeout_s / 2)
+        if report.get("phase") == "checkpointing":  # its loop is writing the table, which takes time
+            allowed += CHECKPOINT_S_PER_ITEM * int(report.get("items", 0))
+        key = (report.get("incarnation"), report["beat"]) if report.get("beat") is not None else None
+        if self._service_silence.heard(key, allowed, now):
             return
-        silent = now - heard_at
-        if allowed and silent > allowed and not ended(replay.process):
+        silent = self._service_silence.over(now)
+        if silent is not None and not ended(replay.process):
             self._say(f"the replay service has not reported for {silent:.0f} s but is alive (stopped or hung); "
                       f"killing it")
             replay.process.kill()
             replay.process.wait()
-            self._service_heard = (None, now, 0.0)
+            self._service_silence = Silence()
 
     def _watch_learner(self, learner: Worker, status: Dict[str, Any]) -> None:
         """Kills a learner that is alive but silent past what its last report allowed (SIGSTOPped, hung): the next
         pass of the watch restarts it from its checkpoint."""
-        beat, heard_at, allowed = self._learner_heard
         now = time.monotonic()
-        if status.get("beat") is not None and (status.get("pid"), status["beat"]) != beat:
-            self._learner_heard = ((status.get("pid"), status["beat"]), now, float(status.get("quiet_s", 0.0)))
+        key = (status.get("pid"), status["beat"]) if status.get("beat") is not None else None
+        if self._learner_silence.heard(key, float(status.get("quiet_s", 0.0)), now):
             return
-        if now - self._service_heard[1] > SERVICE_HEARD_S:
-            self._learner_heard = (beat, now, allowed)  # no report of its could have come: the silence is not its
+        if now - self._service_silence.heard_at > SERVICE_HEARD_S:
+            self._learner_silence.heard_at = now  # no report of its could have come: the silence is not its
             return
-        silent = now - heard_at
-        if allowed and silent > allowed and not ended(learner.process):
+        silent = self._learner_silence.over(now)
+        if silent is not None and not ended(learner.process):
             self._say(f"the learner has not reported for {silent:.0f} s but is alive (stopped or hung); killing it")
             learner.process.kill()
             learner.process.wait()
-            self._learner_heard = (None, now, 0.0)
+            self._learner_silence = Silence()
 
     def _watch_actor_leases(self, actors: List[Worker]) -> None:
         """Kills an actor that is alive but no longer renews its id lease (SIGSTOPped, or frozen with the GIL held):
@@ -413,7 +431,7 @@ class Launcher:
         except (reverb.DeadlineExceededError, RuntimeError, ConnectionError, KeyError, ValueError):
             self._lease_client = None
             leases = None
-        service_heard = leases is not None and now - self._service_heard[1] <= SERVICE_HEARD_S
+        service_heard = leases is not None and now - self._service_silence.heard_at <= SERVICE_HEARD_S
         for w in actors:
             if w.gave_up or ended(w.process):
                 continue
