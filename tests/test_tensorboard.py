@@ -72,6 +72,20 @@ def test_a_follower_waits_for_whole_lines_and_rereads_a_rewritten_file(tmp_path:
 
 
 @pytest.mark.process
+@pytest.mark.timeout(90)
+def test_the_export_thread_imports_nothing_while_the_launcher_imports_reverb(tmp_path: Path) -> None:
+    """The writer's modules are loaded when the export is made, on the caller's thread, and TensorFlow is not:
+    an export thread importing TensorBoard while the launcher imports Reverb met half-made modules and failed."""
+    code = ("import sys, pathlib; from actorq_jax.telemetry.tensorboard import TensorBoardExport; "
+            f"TensorBoardExport(pathlib.Path({str(tmp_path)!r})); "
+            "print(sorted(m for m in ('tensorboard.summary.writer.record_writer', 'tensorboard.compat.proto.summary_pb2',"
+            " 'tensorflow') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["['tensorboard.compat.proto.summary_pb2',", "'tensorboard.summary.writer.record_writer']"]
+
+
+@pytest.mark.process
 @pytest.mark.timeout(120)
 def test_tensorboard_serves_the_exported_scalars(tmp_path: Path) -> None:
     """The README's `tensorboard --logdir results` finds a run's streams and tags (served on loopback only)."""

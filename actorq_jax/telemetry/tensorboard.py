@@ -173,6 +173,13 @@ class TensorBoardExport:
     """A thread that polls a run's RunScalars every `period_s` until close(), which polls a last time."""
 
     def __init__(self, results_dir: Path, period_s: float = EXPORT_PERIOD_S):
+        # The writer's modules are imported here, on the caller's thread: imported first by the export thread
+        # while the caller imports Reverb (TensorFlow, which imports TensorBoard too), the two imports meet
+        # half-initialised modules and one of them fails.
+        import tensorboard.compat.proto.event_pb2  # noqa: F401
+        import tensorboard.compat.proto.summary_pb2  # noqa: F401
+        import tensorboard.summary.writer.record_writer  # noqa: F401
+
         self.scalars = RunScalars(results_dir)
         self._period_s = period_s
         self._stop = threading.Event()
