@@ -108,3 +108,19 @@ def test_an_actor_id_lease_on_a_service_that_does_not_answer_is_a_timeout():
     lease = IdLease(f"127.0.0.1:{portpicker.pick_unused_port()}", actor_id=3)
     with within(15), pytest.raises(TimeoutError, match="did not answer within 1 s, before the lease on actor id 3"):
         lease.acquire(timeout_s=1)
+
+
+def test_a_publication_the_server_does_not_confirm_gives_up_at_its_deadline():
+    from actorq_jax.quantization import QuantConfig
+    from actorq_jax.replay.variables import VariablePublisher
+
+    # A queue of one holds the second insert until the first is taken: a server that never confirms it.
+    with ReplayServer([reverb.Table.queue(runtime.VARIABLES_TABLE, max_size=1)]) as server:
+        publisher = VariablePublisher(server.client(), runtime.VARIABLES_TABLE, QuantConfig(bits=8), timeout_s=1)
+        params = {"dense": {"kernel": np.ones((4, 3), np.float32), "bias": np.zeros(3, np.float32)}}
+        publisher.publish(params, 1)
+        with within(10), pytest.raises(reverb.DeadlineExceededError):
+            publisher.publish(params, 2)
+        assert publisher.published == 1
+    with pytest.raises(ValueError, match="timeout_s must be > 0, got timeout_s=0"):
+        VariablePublisher(None, runtime.VARIABLES_TABLE, timeout_s=0)

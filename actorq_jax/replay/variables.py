@@ -54,8 +54,14 @@ class RefreshTiming(NamedTuple):
     load_cpu_s: float = 0.0
 
 
-def insert_wire(client: reverb.Client, table: str, arrays: List[np.ndarray]) -> None:
-    """Inserts one list of wire arrays as the table's item, each array stored as is."""
+# How long one publication may wait for the server to confirm it (a stopped or hung server never does).
+INSERT_TIMEOUT_S = 60.0
+
+
+def insert_wire(client: reverb.Client, table: str, arrays: List[np.ndarray],
+                timeout_s: float = INSERT_TIMEOUT_S) -> None:
+    """Inserts one list of wire arrays as the table's item, each array stored as is (DeadlineExceededError when
+    the server has not confirmed it within `timeout_s`)."""
     # A fresh writer each time: the header's shape changes between versions, and a
     # writer's columns keep the first shape they saw.
     writer = client.trajectory_writer(num_keep_alive_refs=1, validate_items=False)
@@ -63,7 +69,7 @@ def insert_wire(client: reverb.Client, table: str, arrays: List[np.ndarray]) -> 
         writer.append(list(arrays))
         writer.create_item(table=table, priority=1.0,
                            trajectory=[column[-1] for column in writer.history])
-        writer.end_episode()
+        writer.end_episode(timeout_ms=max(1, int(timeout_s * 1000)))
     finally:
         writer.close()
 
@@ -72,12 +78,15 @@ class VariablePublisher:
     """The learner's side: quantize at the actors' bits, serialize, insert into the variables table."""
 
     def __init__(self, client: reverb.Client, table: str = "variables",
-                 config: QuantConfig = QuantConfig(bits=8)):
+                 config: QuantConfig = QuantConfig(bits=8), timeout_s: float = INSERT_TIMEOUT_S):
         if not isinstance(config, QuantConfig):
             raise ValueError(f"config must be a QuantConfig, got {config!r}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got timeout_s={timeout_s!r}")
         self._client = client
         self.table = table
         self.config = config
+        self.timeout_s = timeout_s
         self.published = 0
 
     def publish(self, params: Any, version: int, meta: Optional[Dict[str, float]] = None) -> PublishStats:
@@ -95,7 +104,7 @@ class VariablePublisher:
         t1 = time.perf_counter()
         arrays = to_wire(qparams, int(version), meta=meta)  # to_wire waits for the device values
         t2 = time.perf_counter()
-        insert_wire(self._client, self.table, arrays)
+        insert_wire(self._client, self.table, arrays, self.timeout_s)
         t3 = time.perf_counter()
         self.published += 1
         return PublishStats(version=int(version), nbytes=wire_nbytes(arrays),
