@@ -50,7 +50,8 @@ def test_make_channel_picks_files_locally_and_the_service_under_ray(tmp_path):
 
 
 def test_status_tables_are_named_per_role():
-    assert [status_table(r) for r in ROLES] == ["status_launcher", "status_replay", "status_learner"]
+    assert [status_table(r) for r in ROLES] == ["status_launcher", "status_replay", "status_learner",
+                                                     "status_evaluator"]
     with pytest.raises(ValueError, match="actor"):
         status_table("actor")
 

@@ -549,20 +549,23 @@ def test_a_service_stopped_for_good_is_killed_and_restarted_and_its_clients_go_o
 @pytest.mark.slow
 @pytest.mark.process
 @pytest.mark.timeout(300)
-def test_a_learner_and_an_actor_stopped_for_good_are_killed_and_restarted(tmp_path):
-    # SIGSTOP without SIGCONT: the processes are alive, and neither SGD steps nor env steps come from them (a
-    # hung one looks the same). Both at once, as a frozen machine would.
+def test_a_learner_an_actor_and_the_evaluator_stopped_for_good_are_killed_and_restarted(tmp_path):
+    # SIGSTOP without SIGCONT: the processes are alive, and neither SGD steps, env steps nor evaluations come
+    # from them (a hung one looks the same). All at once, as a frozen machine would.
     results = tmp_path / "run"
     proc = start_run(results, *TINY, "--num_actors", "1", "--server_timeout_s", "5", "--max_seconds", "250")
     stopped = []
     try:
         launcher = psutil.Process(proc.pid)
         wait_for(lambda: read_counters(results / "checkpoints"), 150, "a first checkpoint", proc)
-        # Past its first SGD call (which compiles the step), it asks for no more silence than its waits need.
+        # Past its first SGD call (which compiles the step), it asks for no more silence than its waits need;
+        # the evaluator likewise once each of its policies ran an episode.
         wait_for(lambda: 0 < status(results).get("quiet_s", 0) < 60, 60, "the learner's compiled step", proc)
-        report = status(results)
-        allowed = report["quiet_s"]
-        stopped = [psutil.Process(report["pid"]), worker_process(launcher, "actor", actor_id=0)]
+        wait_for(lambda: 0 < status(results, "evaluator").get("quiet_s", 0) < 60, 60, "timed evaluations", proc)
+        report, evaluator = status(results), status(results, "evaluator")
+        allowed, evaluator_allowed = report["quiet_s"], evaluator["quiet_s"]
+        stopped = [psutil.Process(report["pid"]), worker_process(launcher, "actor", actor_id=0),
+                   psutil.Process(evaluator["pid"])]
         for process in stopped:
             process.suspend()
         stopped_at = time.monotonic()
@@ -570,6 +573,8 @@ def test_a_learner_and_an_actor_stopped_for_good_are_killed_and_restarted(tmp_pa
         took = time.monotonic() - stopped_at
         wait_for(lambda: worker_process(launcher, "actor", actor_id=0, restart=1), 120, "actor_0's restart", proc)
         actor_took = time.monotonic() - stopped_at
+        wait_for(lambda: worker_process(launcher, "evaluator", restart=1), 120, "the evaluator's restart", proc)
+        evaluator_took = time.monotonic() - stopped_at
         restored = status(results)["learner_steps"]
         wait_for(lambda: status(results).get("learner_steps", 0) >= restored + 20, 120, "SGD steps after it", proc)
     finally:
@@ -585,9 +590,15 @@ def test_a_learner_and_an_actor_stopped_for_good_are_killed_and_restarted(tmp_pa
     # The actor's lease stays held until it expires (its 10 s life, from the last renewal), then 30 s more.
     assert "actor_0 has not renewed its id lease for" in output, output[-3000:]
     assert 25 <= actor_took < 60, actor_took
+    # The evaluator's allowance: a fetch, four times its longest episode so far, a margin.
+    assert "the evaluator has not reported for" in output, output[-3000:]
+    assert evaluator_allowed - 2 <= evaluator_took < evaluator_allowed + 15, (evaluator_allowed, evaluator_took)
     summary = json.loads((results / "summary.json").read_text())
     assert summary["learner_restarts"] == 1 and summary["replay_restarts"] == 0 and summary["exit_code"] == 0
-    assert any(e.startswith("actor_0 died") and "restart 1/" in e for e in summary["events"]), summary["events"]
+    for name in ("actor_0", "evaluator"):
+        assert any(e.startswith(f"{name} died") and "restart 1/" in e for e in summary["events"]), summary["events"]
+    # The restarted evaluator evaluated: rows from after the stop, the final evaluation among them.
+    assert any(int(r["final"]) == 1 for r in rows(results / "eval.csv")), output[-3000:]
 
 
 @pytest.mark.parametrize("flag, learner", [("auto", None), ("cpu", "cpu"), ("gpu", "cuda")])

@@ -1,4 +1,4 @@
-"""The run's control plane: the status reports of the launcher, the replay service and the learner.
+"""The run's control plane: the status reports of the launcher, the replay service, the learner and the evaluator.
 
 A `RunChannel` carries one small JSON report per role: `report(role, status)`
 replaces it, `read(role)` returns the last one ({} before the first). Every
@@ -20,7 +20,7 @@ from actorq_jax.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 
-ROLES = ("launcher", "replay", "learner")
+ROLES = ("launcher", "replay", "learner", "evaluator")
 # How long one read or report waits for the server (a reader polls; a report is retried at the next one).
 CALL_TIMEOUT_S = 2
 # Stamps on each report in a status table: which channel wrote it and its count there. A report that timed

@@ -26,7 +26,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, TextIO
+from typing import Any, Callable, Dict, List, Optional, TextIO
 
 from actorq_jax import net
 from actorq_jax.launch import runtime
@@ -109,6 +109,7 @@ class Launcher:
         # The replay service's and the learner's reports, for the watchdogs of live but silent workers.
         self._service_silence = Silence()
         self._learner_silence = Silence()
+        self._evaluator_silence = Silence()
         self._leases_read_at = 0.0
         self._lease_client: Any = None
         # A second stop request while the first is carried out: kill the workers at once (a plain bool, as above).
@@ -131,6 +132,8 @@ class Launcher:
             self._service_silence = Silence()  # its silence counts from its start
         if worker.role == "learner":
             self._learner_silence = Silence()
+        if worker.role == "evaluator":
+            self._evaluator_silence = Silence()
         worker.lease_seen_at = None
         # A restarted worker gets new seeds (an actor would otherwise replay its first episodes).
         starts = worker.restarts + worker.moves
@@ -149,8 +152,10 @@ class Launcher:
         except FileNotFoundError:
             return "(no log)"
 
-    def _terminate(self, workers: List[Worker], timeout_s: float) -> None:
-        """SIGTERMs the workers (an orderly stop) and waits up to `timeout_s` (0: does not wait) before killing."""
+    def _terminate(self, workers: List[Worker], timeout_s: float,
+                   killed_silent: Optional[Callable[[Worker], bool]] = None) -> None:
+        """SIGTERMs the workers (an orderly stop) and waits up to `timeout_s` (0: does not wait) before killing;
+        `killed_silent(worker)` ends the wait for one it killed for its silence."""
         self.cpu.sample(workers)
         for w in workers:
             if w.process is not None and not ended(w.process):
@@ -159,7 +164,8 @@ class Launcher:
             return
         deadline = time.monotonic() + timeout_s
         for w in workers:
-            if w.process is None or self._wait_ended(w.process, deadline):
+            silent = None if killed_silent is None else (lambda w=w: killed_silent(w))
+            if w.process is None or self._wait_ended(w.process, deadline, silent):
                 continue
             if not self.hurry:
                 self._say(f"{w.name} did not stop within {timeout_s:.0f} s; killing it")
@@ -172,9 +178,15 @@ class Launcher:
             self.hurry = True
         self.stop.set()
 
-    def _wait_ended(self, process: Any, deadline: float) -> bool:
-        """Waits until `process` is over, at most until `deadline` or a second stop request; whether it is over."""
+    def _wait_ended(self, process: Any, deadline: float, killed_silent: Optional[Callable[[], bool]] = None) -> bool:
+        """Waits until `process` is over, at most until `deadline` or a second stop request; whether it is over.
+        `killed_silent()`, asked twice a second, kills it when it stopped reporting (and says so)."""
+        asked_at = time.monotonic()
         while not ended(process):
+            if killed_silent is not None and time.monotonic() - asked_at >= 0.5:
+                asked_at = time.monotonic()
+                if killed_silent():
+                    return True
             if self.hurry:
                 if not self._hurry_said:
                     self._hurry_said = True
@@ -317,6 +329,7 @@ class Launcher:
         seen_steps, seen_at = -1, time.monotonic()
         evals = EvalWatch(self.dir.eval_csv, run.stop_at_return, run.eval_episodes)
         actors = [w for w in self.workers if w.role == "actor"]
+        evaluator = next((w for w in self.workers if w.role == "evaluator"), None)
         while not self.stop.wait(0.25):
             self.cpu.sample(self.workers)
             if ended(replay.process) and not self._restart(replay, run.max_replay_restarts, "address"):
@@ -337,6 +350,7 @@ class Launcher:
             if learner_ended and not self._restart(learner, run.max_learner_restarts, "phase"):
                 return 1
             self._watch_actor_leases(actors)
+            self._watch_evaluator(evaluator)
             self._restart_actors()
             env_steps = int(self.channel.read("replay").get("env_steps", 0))
             learner_steps = int(status.get("learner_steps", 0))
@@ -382,15 +396,7 @@ class Launcher:
     def _watch_service(self, replay: Worker) -> None:
         """Kills a replay service that is alive but no longer reports (SIGSTOPped, hung): the next pass of the
         watch restarts it from its checkpoint, and its clients reconnect to it."""
-        report = self.channel.read("replay")
-        now = time.monotonic()
-        allowed = max(SERVICE_SILENCE_S, self.run.server_timeout_s / 2)
-        if report.get("phase") == "checkpointing":  # its loop is writing the table, which takes time
-            allowed += CHECKPOINT_S_PER_ITEM * int(report.get("items", 0))
-        key = (report.get("incarnation"), report["beat"]) if report.get("beat") is not None else None
-        if self._service_silence.heard(key, allowed, now):
-            return
-        silent = self._service_silence.over(now)
+        silent = self._hear_service()
         if silent is not None and not ended(replay.process):
             self._say(f"the replay service has not reported for {silent:.0f} s but is alive (stopped or hung); "
                       f"killing it")
@@ -398,22 +404,56 @@ class Launcher:
             replay.process.wait()
             self._service_silence = Silence()
 
+    def _hear_service(self) -> Optional[float]:
+        """Takes in the replay service's newest report; its silence when past the one allowed, else None."""
+        report = self.channel.read("replay")
+        now = time.monotonic()
+        allowed = max(SERVICE_SILENCE_S, self.run.server_timeout_s / 2)
+        if report.get("phase") == "checkpointing":  # its loop is writing the table, which takes time
+            allowed += CHECKPOINT_S_PER_ITEM * int(report.get("items", 0))
+        key = (report.get("incarnation"), report["beat"]) if report.get("beat") is not None else None
+        if self._service_silence.heard(key, allowed, now):
+            return None
+        return self._service_silence.over(now)
+
     def _watch_learner(self, learner: Worker, status: Dict[str, Any]) -> None:
         """Kills a learner that is alive but silent past what its last report allowed (SIGSTOPped, hung): the next
         pass of the watch restarts it from its checkpoint."""
-        now = time.monotonic()
-        key = (status.get("pid"), status["beat"]) if status.get("beat") is not None else None
-        if self._learner_silence.heard(key, float(status.get("quiet_s", 0.0)), now):
-            return
-        if now - self._service_silence.heard_at > SERVICE_HEARD_S:
-            self._learner_silence.heard_at = now  # no report of its could have come: the silence is not its
-            return
-        silent = self._learner_silence.over(now)
-        if silent is not None and not ended(learner.process):
-            self._say(f"the learner has not reported for {silent:.0f} s but is alive (stopped or hung); killing it")
-            learner.process.kill()
-            learner.process.wait()
+        if self._silent_past_allowed(learner, status, self._learner_silence):
             self._learner_silence = Silence()
+
+    def _watch_evaluator(self, evaluator: Optional[Worker]) -> None:
+        """Kills an evaluator that is alive but silent past what its last report allowed: the next pass of the
+        watch restarts it like a dead one."""
+        if evaluator is None or evaluator.gave_up or evaluator.process is None:
+            return
+        if self._silent_past_allowed(evaluator, self.channel.read("evaluator"), self._evaluator_silence):
+            self._evaluator_silence = Silence()
+
+    def _evaluator_killed_silent(self, evaluator: Worker) -> bool:
+        """At shutdown: kills an evaluator silent past what its last report allowed; whether it did."""
+        self._hear_service()  # the watch loop that hears it has ended
+        return self._silent_past_allowed(evaluator, self.channel.read("evaluator"), self._evaluator_silence)
+
+    def _silent_past_allowed(self, worker: Worker, status: Dict[str, Any], silence: Silence) -> bool:
+        """Kills `worker` when it is alive but has not reported for longer than its last report allowed; whether it
+        did. Its reports count from its own pid on, and only while the service was heard (under Ray they travel
+        through it)."""
+        now = time.monotonic()
+        ours = status.get("pid") == worker.process.pid
+        key = (status.get("pid"), status["beat"]) if ours and status.get("beat") is not None else None
+        if silence.heard(key, float(status.get("quiet_s", 0.0)), now):
+            return False
+        if now - self._service_silence.heard_at > SERVICE_HEARD_S:
+            silence.heard_at = now  # no report of its could have come: the silence is not its
+            return False
+        silent = silence.over(now)
+        if silent is None or ended(worker.process):
+            return False
+        self._say(f"the {worker.name} has not reported for {silent:.0f} s but is alive (stopped or hung); killing it")
+        worker.process.kill()
+        worker.process.wait()
+        return True
 
     def _watch_actor_leases(self, actors: List[Worker]) -> None:
         """Kills an actor that is alive but no longer renews its id lease (SIGSTOPped, or frozen with the GIL held):
@@ -593,7 +633,8 @@ class Launcher:
         # The evaluator's final evaluation waits for the learner's last publication; one that ended without
         # making it (diverged, failed, gave up) will not, and the evaluator need not wait out its timeout.
         self.channel.report("launcher", {**self.started, "learner_ended": True})
-        self._terminate(evaluators, EVALUATOR_FINAL_TIMEOUT_S)
+        # Its final evaluation gets up to EVALUATOR_FINAL_TIMEOUT_S while it reports; a silent one is not waited for.
+        self._terminate(evaluators, EVALUATOR_FINAL_TIMEOUT_S, killed_silent=self._evaluator_killed_silent)
         # What the workers sent through the service (rows, the final checkpoint) comes in while it is up.
         self.placement.collect()
         self._terminate([replay], ACTOR_STOP_TIMEOUT_S)
