@@ -49,7 +49,7 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple
 
 from actor_inference import report, time_calls
 
@@ -245,7 +245,7 @@ class _Worker:
         return {"work": 2 * MATMUL_N**3 / 1e9 * wall / per_call, "wall_s": wall, "cpu_s": cpu}
 
 
-def serve() -> int:
+def serve() -> NoReturn:
     """The worker loop: one JSON command per stdin line, one JSON reply per line on the original stdout."""
     # One core, before jax starts: XLA sizes its thread pool to the cores it may use, and with more
     # than one the default runtime runs independent ops and split elementwise loops on several
@@ -265,7 +265,10 @@ def serve() -> int:
             reply = {"error": traceback.format_exc()}
         replies.write(json.dumps(reply) + "\n")
         replies.flush()
-    return 0
+    # Out at once: the live variant's Reverb sampler threads, left waiting on a server the parent has stopped,
+    # hold the interpreter's shutdown for seconds to a minute, and this worker has nothing to clean up.
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # -- parent side -------------------------------------------------------------------------------------------------
@@ -497,7 +500,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # a worker's option name
     args = parser.parse_args(argv)
     if args.worker is not None:
-        return serve()
+        serve()
     options = dict(OPTIONS)
     for text in args.xla_option:
         name, _, flags = text.partition("=")
