@@ -56,7 +56,7 @@ from actor_inference import report, time_calls
 from actorq_jax.agents.learner_xla import learner_xla_flags
 from actorq_jax.agents.registry import get_agent
 from actorq_jax.launch.placement import worker_env
-from actorq_jax.launch.runtime import thread_env
+from actorq_jax.launch.runtime import exit_now, thread_env
 from actorq_jax.telemetry.machine import machine_info
 
 AGENTS = ("d4pg", "dqn")
@@ -265,10 +265,9 @@ def serve() -> NoReturn:
             reply = {"error": traceback.format_exc()}
         replies.write(json.dumps(reply) + "\n")
         replies.flush()
-    # Out at once: the live variant's Reverb sampler threads, left waiting on a server the parent has stopped,
-    # hold the interpreter's shutdown for seconds to a minute, and this worker has nothing to clean up.
-    sys.stderr.flush()
-    os._exit(0)
+    # The live variant's Reverb sampler threads, left waiting on a server the parent has stopped, would hold
+    # the interpreter's teardown for seconds to a minute.
+    exit_now(0)
 
 
 # -- parent side -------------------------------------------------------------------------------------------------
