@@ -371,6 +371,9 @@ picks = iter([held.getsockname()[1]])
 real_free_port = runtime.free_port
 runtime.free_port = lambda: next(picks, None) or real_free_port()
 net.port_in_use = lambda port: False
+# The workers' template as a process of its own: forked from here, the workers would inherit the patches above.
+from actorq_jax.launch import forker
+forker.can_fork_here = lambda: False
 from actorq_jax.launch.launcher import run_experiment
 sys.exit(run_experiment("d4pg", sys.argv[1:]))
 """

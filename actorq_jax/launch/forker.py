@@ -13,9 +13,16 @@ descendants while the template runs (Linux's PR_SET_CHILD_SUBREAPER). The launch
 sees it in `ps` under its own command line (setproctitle), exactly as a started subprocess;
 `runtime.die_with_parent` still ties it to the launcher.
 
-The protocol is one JSON line each way per worker on the template's stdin and stdout:
-{"argv", "log", "env", "title", "parent"} in, {"pid"} (or {"error"}) out. The template exits when
-its stdin closes (the launcher is done or gone).
+A launcher that is still single-threaded when it needs the template (the command-line launcher is)
+imports PRELOAD itself and forks the template from its own image: the Reverb client the launcher needs
+anyway and the rest of the import are then paid once per run instead of twice (about 4 CPU-seconds
+of a tiny run's 19 on 2 cores). A process with other threads (a test, a second template after a loss)
+starts `python -m actorq_jax.launch.forker` instead, since a fork copies no thread but may copy a
+lock one of them held.
+
+The protocol is one JSON line each way per worker on the template's request and reply pipes (its
+stdin and stdout when started as a process): {"argv", "log", "env", "title", "parent"} in, {"pid"}
+(or {"error"}) out. The template exits when its request pipe closes (the launcher is done or gone).
 """
 
 import ctypes
@@ -27,7 +34,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional, TextIO, Tuple
 
 # What the workers of every role import (see the module docstring).
 PRELOAD = ("actorq_jax.launch.worker", "jax", "jax.numpy", "numpy", "reverb", "dm_control.suite", "flax.linen",
@@ -88,10 +95,12 @@ class ForkedWorker:
 class WorkerForker:
     """The launcher's side: starts the template on the first worker, asks it for each worker, stops it at close."""
 
-    def __init__(self, log_path: Path, env: Dict[str, str]):
+    def __init__(self, log_path: Path, env: Dict[str, str], fork_here: Optional[bool] = None):
         self.log_path = Path(log_path)
         self.env = env
-        self._template: Optional[subprocess.Popen] = None
+        # None: fork the template from this process when that is safe (see can_fork_here).
+        self.fork_here = fork_here
+        self._template: Optional[Any] = None
         self._lock = threading.Lock()
 
     def start(self, command: List[str], log_path: Path, env: Dict[str, str]) -> ForkedWorker:
@@ -114,12 +123,15 @@ class WorkerForker:
             raise RuntimeError(f"the worker template could not fork {command[module]}: {reply['error']}")
         return ForkedWorker(int(reply["pid"]))
 
-    def ensure_running(self) -> subprocess.Popen:
+    def ensure_running(self) -> Any:
         """The template process, started now if it is not running (its imports take a few seconds)."""
         if self._template is not None and self._template.poll() is None:
             return self._template
         if not set_subreaper(True):
             raise RuntimeError("forked workers need Linux's PR_SET_CHILD_SUBREAPER")
+        if self.fork_here if self.fork_here is not None else can_fork_here():
+            self._template = _fork_template(self.log_path, self.env)
+            return self._template
         with open(self.log_path, "ab") as log:
             self._template = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
                                               stdout=subprocess.PIPE, stderr=log, env=self.env, text=True)
@@ -142,10 +154,79 @@ class WorkerForker:
         self._template = None
 
 
-def _run_worker(request: Dict) -> None:
+class _TemplateHere(ForkedWorker):
+    """The template forked from this process, with the launcher's ends of its request and reply pipes."""
+
+    def __init__(self, pid: int, stdin: TextIO, stdout: TextIO):
+        super().__init__(pid)
+        self.stdin = stdin
+        self.stdout = stdout
+
+
+def can_fork_here() -> bool:
+    """Whether this process may become the template's image: one thread (a fork copies no other thread, but
+    may copy a lock another held) and no JAX backend started (its thread pools would not survive the fork)."""
+    if threading.active_count() != 1:
+        return False
+    bridge = sys.modules.get("jax._src.xla_bridge")
+    return bridge is None or not bridge.backends_are_initialized()
+
+
+def _preload() -> None:
+    """Imports what every worker role imports."""
+    for name in PRELOAD:
+        __import__(name)
+
+
+def _fork_template(log_path: Path, env: Dict[str, str]) -> _TemplateHere:
+    """Imports PRELOAD in this process, in the environment the template would start with, and forks the template."""
+    # setproctitle finds the command line's memory from the environment's when first used, and a change of the
+    # environment moves that: set up first, the workers forked from here can still retitle themselves.
+    import setproctitle
+
+    setproctitle.getproctitle()
+
+    os.environ.update(env)  # what the imports read (MUJOCO_GL, TF_CPP_MIN_LOG_LEVEL) is the workers'
+    _preload()
+    requests_read, requests_write = os.pipe()
+    replies_read, replies_write = os.pipe()
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()  # or the child would write this process's buffered output again
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            # Its own ends only: the template must see end-of-file when the launcher closes the request pipe.
+            os.close(requests_write)
+            os.close(replies_read)
+            null_fd = os.open(os.devnull, os.O_RDWR)
+            os.dup2(null_fd, 0)
+            os.dup2(null_fd, 1)  # not the launcher's output: a reader of it would wait for the template too
+            os.dup2(log_fd, 2)
+            os.close(null_fd)
+            os.close(log_fd)
+            sys.stderr = open(2, "w", buffering=1, closefd=False)
+            code = _serve_requests(os.fdopen(requests_read), os.fdopen(replies_write, "w"),
+                                   (requests_read, replies_write))
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    os.close(requests_read)
+    os.close(replies_write)
+    os.close(log_fd)
+    return _TemplateHere(pid, os.fdopen(requests_write, "w"), os.fdopen(replies_read))
+
+
+def _run_worker(request: Dict, template_fds: Tuple[int, ...] = ()) -> None:
     """In the forked worker: output, title and environment of the worker, then worker.main; never returns."""
     code = 1
     try:
+        for fd in template_fds:  # the template's pipes: a worker holding them would hide the template's exit
+            os.close(fd)
         log_fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         null_fd = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null_fd, 0)
@@ -182,15 +263,17 @@ def _run_worker(request: Dict) -> None:
 
 
 def _serve() -> int:
-    """The template: imports PRELOAD, then forks a worker for every request line until stdin closes."""
+    """The template started as a process: imports PRELOAD, then serves the requests on its stdin."""
+    _preload()
+    return _serve_requests(sys.stdin, sys.stdout)
+
+
+def _serve_requests(requests: TextIO, replies: TextIO, template_fds: Tuple[int, ...] = ()) -> int:
+    """The template: forks a worker for every request line until the request pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
     from actorq_jax.launch import runtime
 
     runtime.die_with_parent()
-    for name in PRELOAD:
-        __import__(name)
-    requests = sys.stdin
-    replies = sys.stdout
     for line in requests:
         request = json.loads(line)
         try:
@@ -206,7 +289,7 @@ def _serve() -> int:
                 worker = os.fork()
                 if worker == 0:
                     os.close(pid_write)
-                    _run_worker(request)
+                    _run_worker(request, template_fds)
                 os.write(pid_write, str(worker).encode())
             finally:
                 os._exit(0)
