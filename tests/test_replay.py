@@ -626,6 +626,41 @@ def test_a_message_read_that_finds_the_table_emptied_gives_up_at_its_deadline():
 
 @pytest.mark.process
 @pytest.mark.timeout(120)
+def test_messages_that_reach_a_timed_out_take_are_handed_over_by_the_next_one(monkeypatch):
+    # A reply or row taken by the sampler of a take that gave up would otherwise be lost to everyone.
+    from actorq_jax.replay.messages import make_message_table, send_message, take_messages
+
+    port = portpicker.pick_unused_port()
+    servers = [ReplayServer([make_message_table("inbox")], port=port)]
+    try:
+        client = reverb.Client(f"127.0.0.1:{port}")
+        send_message(client, "inbox", {"n": 0}, 5)
+        counted = client.server_info
+
+        def count_then_restart(timeout=None):
+            # The reader counts a message on one server, which restarts empty behind the address before it samples.
+            info = counted(timeout=timeout)
+            servers[-1].stop()
+            servers.append(ReplayServer([make_message_table("inbox")], port=port))
+            return info
+
+        monkeypatch.setattr(client, "server_info", count_then_restart)
+        with pytest.raises(reverb.DeadlineExceededError, match="messages of table 'inbox' did not come within 1 s"):
+            take_messages(client, "inbox", timeout_s=1)
+        monkeypatch.setattr(client, "server_info", counted)
+        for n in (1, 2):
+            send_message(servers[-1].client(), "inbox", {"n": n}, 5)
+        taken, deadline = [], time.monotonic() + 30
+        while len(taken) < 2 and time.monotonic() < deadline:
+            taken += take_messages(client, "inbox", timeout_s=1)
+        assert taken == [{"n": 1}, {"n": 2}]
+        assert take_messages(client, "inbox", timeout_s=1) == []
+    finally:
+        servers[-1].stop()
+
+
+@pytest.mark.process
+@pytest.mark.timeout(120)
 def test_a_checkpoint_of_unpacked_items_is_refused_by_name_and_kept(tmp_path):
     # A table as an older version stored it: one column per Transition field.
     config = ReplayTableConfig(max_size=100, min_size=1, samples_per_insert=None)

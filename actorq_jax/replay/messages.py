@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
+import weakref
 from typing import Any, Dict, List, Mapping
 
 import numpy as np
@@ -92,10 +93,62 @@ def sample_one(client: reverb.Client, table: str, timeout_s: float) -> Any:
     return sample_within(client, table, 1, timeout_s)[0]
 
 
+class _Take:
+    """A sampler of `count` messages in a thread of its own, and the messages it has received so far."""
+
+    def __init__(self, client: reverb.Client, table: str, count: int):
+        self.samples: List[Any] = []
+        self.handed_over = 0
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._take, args=(client, table, count), name=f"take {table}",
+                                       daemon=True)
+        self.thread.start()
+
+    def _take(self, client: reverb.Client, table: str, count: int) -> None:
+        try:
+            for sample in client.sample(table, num_samples=count, emit_timesteps=False):
+                self.samples.append(sample)  # one at a time: what came is handed over even if the rest never does
+        except BaseException as error:  # noqa: BLE001  (handed to the reader's thread)
+            self.error = error
+
+    def hand_over(self) -> List[Any]:
+        """The samples received since the last hand-over."""
+        new = self.samples[self.handed_over:]
+        self.handed_over += len(new)
+        return new
+
+
+# A take that timed out leaves its sampler waiting (Reverb's cannot be cancelled), and the next messages to
+# arrive go to it rather than to a new one. It is kept per client and table so the next take hands them over.
+_LEFT_BEHIND: "weakref.WeakKeyDictionary[reverb.Client, Dict[str, _Take]]" = weakref.WeakKeyDictionary()
+_LEFT_BEHIND_LOCK = threading.Lock()
+
+
 def take_messages(client: reverb.Client, table: str, timeout_s: int = 5) -> List[Dict[str, Any]]:
-    """Every message waiting in `table`, oldest first, each decoded (undecodable ones raise ValueError)."""
-    size = int(client.server_info(timeout=timeout_s)[table].current_size)
-    if size == 0:
-        return []
-    # Only this reader removes messages, so `size` are there to read, unless the server restarted since.
-    return [decode_message(sample.data[0]) for sample in sample_within(client, table, size, timeout_s)]
+    """Every message waiting in `table`, oldest first, each decoded (undecodable ones raise ValueError).
+
+    reverb.DeadlineExceededError when they have not come within `timeout_s` (a busy server, or one restarted
+    since it counted them); the ones that come later are not lost: a later take by this client returns them.
+    """
+    with _LEFT_BEHIND_LOCK:
+        take = _LEFT_BEHIND.get(client, {}).pop(table, None)
+    if take is None:
+        size = int(client.server_info(timeout=timeout_s)[table].current_size)
+        if size == 0:
+            return []
+        # Only this reader removes messages, so `size` are there to read, unless the server restarted since.
+        take = _Take(client, table, size)
+        take.thread.join(timeout_s)
+        fresh = True
+    else:
+        fresh = False
+    alive = take.thread.is_alive()  # before the hand-over: what it receives after that is handed over next time
+    samples = take.hand_over()
+    if alive:
+        with _LEFT_BEHIND_LOCK:
+            _LEFT_BEHIND.setdefault(client, {})[table] = take
+        if fresh and not samples:
+            raise reverb.DeadlineExceededError(f"messages of table {table!r} did not come within {timeout_s:g} s")
+    elif take.error is not None and not samples:
+        raise take.error
+    return [decode_message(sample.data[0]) for sample in samples]
