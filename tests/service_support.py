@@ -6,10 +6,11 @@ from typing import Any, Iterator, Tuple
 
 
 @contextlib.contextmanager
-def dqn_service_learner_actor(results_dir: Any, **run_fields: Any) -> Iterator[Tuple[Any, Any, Any]]:
+def dqn_service_learner_actor(results_dir: Any, rate_limiter: str = "min_size",
+                              **run_fields: Any) -> Iterator[Tuple[Any, Any, Any]]:
     """(service, learner, connected actor) of a tiny prioritized DQN on CartPole, closed afterwards.
 
-    No insert/sample ratio: the actor here writes while the learner waits, and the reverse.
+    No insert/sample ratio by default: the actor here writes while the learner waits, and the reverse.
     """
     from actorq_jax.agents.dqn.config import DQNConfig
     from actorq_jax.environments import environment_spec, make_environment
@@ -20,8 +21,8 @@ def dqn_service_learner_actor(results_dir: Any, **run_fields: Any) -> Iterator[T
     from actorq_jax.launch.replay_service import ReplayService
 
     run = RunConfig(agent="dqn", task="CartPole-v1", results_dir=str(results_dir), num_actors=1, **run_fields)
-    agent = DQNConfig(q_layers=(16, 16), batch_size=16, min_replay_size=50, rate_limiter="min_size",
-                      max_times_sampled=1000)
+    sampling = {"max_times_sampled": 1000} if rate_limiter == "min_size" else {}  # the ratio bounds it itself
+    agent = DQNConfig(q_layers=(16, 16), batch_size=16, min_replay_size=50, rate_limiter=rate_limiter, **sampling)
     builder = runtime.make_builder("dqn", agent, environment_spec(make_environment("CartPole-v1", seed=0)))
     service = ReplayService(builder, run, results_dir, "{}", resume=False)
     address = f"127.0.0.1:{service.server.port}"

@@ -3,6 +3,7 @@
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -217,6 +218,31 @@ def test_sgd_goes_on_while_the_service_writes_a_checkpoint_which_keeps_the_state
         assert int(restored.steps) == asked_at
         assert all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(restored),
                                                         jax.tree_util.tree_leaves(state_then)))
+
+
+@pytest.mark.process
+@pytest.mark.timeout(120)
+def test_a_stopping_actor_whose_last_items_the_limiter_holds_says_so_and_warns_of_no_loss(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="actorq_jax.launch.actor")
+    with dqn_service_learner_actor(tmp_path, rate_limiter="ratio") as (service, learner, actor):
+        acting = threading.Thread(target=lambda: [None for _ in iter(actor.run_episode, None)])
+        acting.start()
+        try:
+            # Nothing samples: once past its start-up allowance, the ratio limiter holds the actor's inserts.
+            sizes = [learner.items()]
+            while len(sizes) < 4 or sizes[-1] != sizes[-4] or sizes[-1] < 50:
+                time.sleep(0.5)
+                sizes.append(learner.items())
+                assert acting.is_alive() and len(sizes) < 120, sizes
+        finally:
+            actor.stop.set()  # what a run's end does
+            acting.join(60)
+        assert not acting.is_alive()
+        actor.close()
+    records = [r for r in caplog.records if r.name == "actorq_jax.launch.actor"]
+    assert any(r.levelno == logging.INFO and "stay out of its table" in r.getMessage() for r in records), \
+        [r.getMessage() for r in records]
+    assert not [r.getMessage() for r in records if r.levelno >= logging.WARNING]
 
 
 def _cut(path: Path) -> None:
@@ -532,10 +558,12 @@ def test_a_service_stopped_for_good_is_killed_and_restarted_and_its_clients_go_o
         wait_for(lambda: status(results).get("learner_steps", 0) >= steps + 50, 120, "learner steps after it", proc)
         assert worker_process(launcher, "learner").pid == learner.pid  # it reconnected: no restart of its own
     finally:
-        output = _finish(proc) if proc.poll() is None else proc.communicate()[0]
-        stop_all(proc)
-        if stopped is not None and stopped.is_running():
-            stopped.kill()  # a test that failed early leaves no stopped process behind
+        try:
+            output = _finish(proc) if proc.poll() is None else proc.communicate()[0]
+        finally:
+            stop_all(proc)
+            if stopped is not None and stopped.is_running():
+                stopped.kill()  # a test that failed early leaves no stopped process behind
     # Silent for half of --server_timeout_s (60 s by default), then killed and restarted from its checkpoint:
     # back well inside the window its clients reconnect for. (The silence counts from the last report the launcher
     # read, up to a second before the stop, and a forked service restarts in about one: hence 25, not 30.)
@@ -578,11 +606,13 @@ def test_a_learner_an_actor_and_the_evaluator_stopped_for_good_are_killed_and_re
         restored = status(results)["learner_steps"]
         wait_for(lambda: status(results).get("learner_steps", 0) >= restored + 20, 120, "SGD steps after it", proc)
     finally:
-        output = _finish(proc) if proc.poll() is None else proc.communicate()[0]
-        stop_all(proc)
-        for process in stopped:
-            if process is not None and process.is_running():
-                process.kill()  # a test that failed early leaves no stopped process behind
+        try:
+            output = _finish(proc) if proc.poll() is None else proc.communicate()[0]
+        finally:
+            stop_all(proc)
+            for process in stopped:
+                if process is not None and process.is_running():
+                    process.kill()  # a test that failed early leaves no stopped process behind
     assert "the learner has not reported for" in output and "killing it" in output, output[-3000:]
     # Killed once the silence its last report allowed (2 x 5 s of waits and a 15 s margin) ran out; the
     # restart restores a checkpoint and compiles again, well inside a minute here.

@@ -240,7 +240,13 @@ class Actor:
             try:
                 adder.close(flush=flush, timeout_s=timeout_s)
             except (WriteTimeout, RuntimeError) as error:
-                log.info("dropped unconfirmed items of %s: %s", self.address, error)
+                if self.stop.is_set():
+                    # The usual end of a run: the learner samples no more, so the rate limiter keeps the last
+                    # items out of the table for good, and nobody would train on them.
+                    log.info("stopping: the last items for %s stay out of its table (its rate limiter holds them "
+                             "once the learner samples no more): %s", self.address, error)
+                else:
+                    log.warning("dropped items that %s did not confirm: %s", self.address, error)
                 flush = False  # the server did not take one adder's items: do not wait K times for it
 
     # -- acting -------------------------------------------------------------------
