@@ -122,7 +122,7 @@ class LocalPlacement(Placement):
         self.forker = WorkerForker(RunDir(self.results_dir).log("template"), worker_env())
 
     def open(self) -> None:
-        """Starts the workers' template, whose imports then overlap the launcher's own start-up."""
+        """Starts the workers' template now, while this process has one thread and may be its image (forker.py)."""
         self.forker.ensure_running()
 
     def start(self, name: str, role: str, args: List[str]) -> WorkerProcess:
