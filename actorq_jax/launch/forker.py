@@ -15,8 +15,8 @@ sees it in `ps` under its own command line (setproctitle), exactly as a started 
 
 A launcher that is still single-threaded when it needs the template (the command-line launcher is)
 imports PRELOAD itself and forks the template from its own image: the Reverb client the launcher needs
-anyway and the rest of the import are then paid once per run instead of twice (about 4 CPU-seconds
-of a tiny run's 19 on 2 cores). A process with other threads (a test, a second template after a loss)
+anyway and the rest of the import are then paid once per run instead of twice (about 5 CPU-seconds
+of a tiny run's 22 on 2 cores). A process with other threads (a test, a second template after a loss)
 starts `python -m actorq_jax.launch.forker` instead, since a fork copies no thread but may copy a
 lock one of them held.
 
