@@ -67,6 +67,25 @@ def usage_error(capsys: Any, call: Callable[[], Any]) -> str:
     raise AssertionError("accepted: no usage error")
 
 
+def first_seen(predicates: Dict[str, Callable[[], Any]], since: float, timeout_s: float,
+               proc: Optional[subprocess.Popen] = None) -> Dict[str, float]:
+    """Seconds from `since` (a time.monotonic()) until each predicate first returned something truthy, all watched at
+    once, so that one slow to come does not delay the time of another; AssertionError naming those unseen."""
+    seen: Dict[str, float] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(seen) < len(predicates) and time.monotonic() < deadline:
+        for name, predicate in predicates.items():
+            if name not in seen and predicate():
+                seen[name] = time.monotonic() - since
+        if proc is not None and proc.poll() is not None and len(seen) < len(predicates):
+            raise AssertionError(f"launcher exited (code {proc.returncode}) while waiting for "
+                                 f"{sorted(set(predicates) - set(seen))}")
+        time.sleep(0.25)
+    unseen = sorted(set(predicates) - set(seen))
+    assert not unseen, f"timed out after {timeout_s:.0f} s waiting for {unseen} (seen: {seen})"
+    return seen
+
+
 def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str, proc: Optional[subprocess.Popen] = None) -> Any:
     """Polls `predicate` until it returns something truthy; AssertionError naming `what` past timeout_s."""
     deadline = time.monotonic() + timeout_s

@@ -144,6 +144,32 @@ def test_a_single_threaded_launcher_forks_the_template_from_its_own_image(tmp_pa
     assert "invalid choice: 'no_such_role'" in (tmp_path / "bad.log").read_text()
 
 
+# gRPC's threads are no Python threads, but a fork would copy them mid-work as well: no template forked here
+# while a Reverb client and server live, and again once they are gone.
+_GRPC_THREADS = """
+import gc, json
+import reverb
+from actorq_jax.launch.forker import can_fork_here
+from actorq_jax.replay.messages import make_message_table
+before = can_fork_here()
+server = reverb.Server([make_message_table("inbox")])
+client = reverb.Client(f"127.0.0.1:{server.port}")
+client.server_info(timeout=5)
+during = can_fork_here()
+server.stop()
+del client, server
+gc.collect()
+print(json.dumps([before, during, can_fork_here()]))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_no_template_is_forked_from_a_process_whose_reverb_client_lives():
+    proc = subprocess.run([sys.executable, "-c", _GRPC_THREADS], env=ENV, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [True, False, True]
+
+
 @pytest.mark.timeout(120)
 def test_a_process_with_threads_starts_the_template_as_a_process_of_its_own(tmp_path):
     # pytest's own threads (xdist, timeouts) or any other: a fork could copy a lock one of them holds.

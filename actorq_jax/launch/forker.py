@@ -164,12 +164,30 @@ class _TemplateHere(ForkedWorker):
 
 
 def can_fork_here() -> bool:
-    """Whether this process may become the template's image: one thread (a fork copies no other thread, but
-    may copy a lock another held) and no JAX backend started (its thread pools would not survive the fork)."""
-    if threading.active_count() != 1:
+    """Whether this process may become the template's image: one Python thread (a fork copies no other thread,
+    but may copy a lock another held), no library thread that named itself (gRPC's and Reverb's, alive while a
+    client or server is) and no JAX backend started (its thread pools would not survive the fork either)."""
+    if threading.active_count() != 1 or _named_threads():
         return False
     bridge = sys.modules.get("jax._src.xla_bridge")
     return bridge is None or not bridge.backends_are_initialized()
+
+
+def _named_threads() -> List[str]:
+    """The names of this process's OS threads named otherwise than its main thread (Linux)."""
+    def name(path: str) -> Optional[str]:
+        try:
+            with open(path) as f:
+                return f.read().strip()
+        except OSError:  # a thread that ended meanwhile
+            return None
+
+    main = name("/proc/self/comm")
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return []
+    return [n for n in (name(f"/proc/self/task/{t}/comm") for t in tasks) if n not in (None, main)]
 
 
 def _preload() -> None:
