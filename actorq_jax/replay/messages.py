@@ -62,39 +62,8 @@ def send_message(client: reverb.Client, table: str, message: Mapping[str, Any], 
         writer.close()
 
 
-def sample_within(client: reverb.Client, table: str, num_samples: int, timeout_s: float) -> List[Any]:
-    """`num_samples` items of `table`; reverb.DeadlineExceededError when they have not come within `timeout_s`.
-
-    Reverb's sampler has no deadline: one that starts as the server behind the address restarts waits on the
-    new server's empty table for ever, out of reach of signal handlers. It runs in a thread of its own here
-    (Reverb lets go of the GIL while it waits), which is left behind on a timeout.
-    """
-    samples: List[Any] = []
-    errors: List[BaseException] = []
-
-    def take() -> None:
-        try:
-            samples.extend(client.sample(table, num_samples=num_samples, emit_timesteps=False))
-        except BaseException as error:  # handed to the caller's thread below
-            errors.append(error)
-
-    thread = threading.Thread(target=take, name=f"sample {table}", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        raise reverb.DeadlineExceededError(f"{num_samples} item(s) of table {table!r} did not come within {timeout_s:g} s")
-    if errors:
-        raise errors[0]
-    return samples
-
-
-def sample_one(client: reverb.Client, table: str, timeout_s: float) -> Any:
-    """One item of `table` (a ReplaySample); reverb.DeadlineExceededError when none has come within `timeout_s`."""
-    return sample_within(client, table, 1, timeout_s)[0]
-
-
 class _Take:
-    """A sampler of `count` messages in a thread of its own, and the messages it has received so far."""
+    """A sampler of `count` items in a thread of its own, and the items it has received so far."""
 
     def __init__(self, client: reverb.Client, table: str, count: int):
         self.samples: List[Any] = []
@@ -116,6 +85,27 @@ class _Take:
         new = self.samples[self.handed_over:]
         self.handed_over += len(new)
         return new
+
+
+def sample_within(client: reverb.Client, table: str, num_samples: int, timeout_s: float) -> List[Any]:
+    """`num_samples` items of `table`; reverb.DeadlineExceededError when they have not come within `timeout_s`.
+
+    Reverb's sampler has no deadline: one that starts as the server behind the address restarts waits on the
+    new server's empty table for ever, out of reach of signal handlers. It runs in a thread of its own here
+    (Reverb lets go of the GIL while it waits), which is left behind on a timeout.
+    """
+    take = _Take(client, table, num_samples)
+    take.thread.join(timeout_s)
+    if take.thread.is_alive():
+        raise reverb.DeadlineExceededError(f"{num_samples} item(s) of table {table!r} did not come within {timeout_s:g} s")
+    if take.error is not None:
+        raise take.error
+    return take.samples
+
+
+def sample_one(client: reverb.Client, table: str, timeout_s: float) -> Any:
+    """One item of `table` (a ReplaySample); reverb.DeadlineExceededError when none has come within `timeout_s`."""
+    return sample_within(client, table, 1, timeout_s)[0]
 
 
 # A take that timed out leaves its sampler waiting (Reverb's cannot be cancelled), and the next messages to
