@@ -80,3 +80,29 @@ def test_malformed_layer_lists_are_rejected(text):
     with pytest.raises(ValueError, match="malformed list"):
         parse_layer_sizes(text)
     assert parse_layer_sizes("256, 128") == (256, 128)
+
+
+def test_elu_has_jax_nn_elus_values_and_derivatives_and_a_finite_gradient_at_large_inputs():
+    from actorq_jax.activations import elu
+
+    x = jnp.array([-200.0, -30.0, -1.0, -1e-3, -1e-8, 0.0, 1e-8, 1e-3, 1.0, 30.0, 100.0, 200.0], jnp.float32)
+    np.testing.assert_array_equal(np.asarray(jax.jit(elu)(x)), np.asarray(jax.jit(jax.nn.elu)(x)))
+    ours = jax.jit(jax.vmap(jax.grad(elu)))(x)
+    theirs = jax.jit(jax.vmap(jax.grad(jax.nn.elu)))(x)
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+    assert np.all(np.isfinite(np.asarray(ours)))
+    # Second derivative too (the policy gradient differentiates through the critic): exp(x) below 0, 0 above.
+    second = np.asarray(jax.jit(jax.vmap(jax.grad(jax.grad(elu))))(x))
+    np.testing.assert_array_equal(second, np.asarray(jax.jit(jax.vmap(jax.grad(jax.grad(jax.nn.elu))))(x)))
+    np.testing.assert_allclose(second[2:5], np.exp(np.asarray(x[2:5])), rtol=1e-6)
+    assert np.all(second[6:] == 0.0)
+    # Inside a layer (where XLA fuses it into the matmul), values and gradients within float32 round-off of jax.nn.elu.
+    w = jax.random.normal(jax.random.PRNGKey(0), (64, 64)) / 8.0
+    inputs = jax.random.normal(jax.random.PRNGKey(1), (32, 64)) * 20.0
+
+    def loss(act, w):
+        return jnp.sum(act(act(inputs @ w) @ w) ** 2)
+
+    np.testing.assert_allclose(jax.jit(lambda w: loss(elu, w))(w), jax.jit(lambda w: loss(jax.nn.elu, w))(w), rtol=1e-5)
+    np.testing.assert_allclose(jax.jit(jax.grad(lambda w: loss(elu, w)))(w), jax.jit(jax.grad(lambda w: loss(jax.nn.elu, w)))(w),
+                               rtol=1e-4, atol=1e-3)

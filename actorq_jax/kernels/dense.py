@@ -21,13 +21,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from actorq_jax import activations
 from actorq_jax.kernels import _library
 
 PANEL = 16  # output columns per weight panel
 MODES = ("w8a32", "w8a8", "w4a8")
 PATHS = ("auto", "scalar", "avx2", "avx512", "amx", "reference")
 # Activations the kernel fuses into its epilogue, and the jnp function each one matches.
-ACTIVATIONS = {"relu": jax.nn.relu, "elu": jax.nn.elu, "tanh": jnp.tanh}
+# elu: jax.nn.elu's values and derivatives in the form XLA:CPU fuses into a matmul (actorq_jax.activations).
+ACTIVATIONS = {"relu": jax.nn.relu, "elu": activations.elu, "tanh": jnp.tanh}
 _ACTIVATION_CODES = {None: 0, "relu": 1, "elu": 2, "tanh": 3}
 _DENSE_TARGETS = {"w8a32": _library.TARGET_W8A32, "w8a8": _library.TARGET_W8A8, "w4a8": _library.TARGET_W4A8}
 # The fused MLP call's op codes (enum Op in int8_dense.cc).
