@@ -8,7 +8,7 @@ import sys
 import pytest
 from launch_support import BENCHMARKS, ENV, ROOT, usage_error
 
-from actorq_jax.agents.learner_xla import NO_THUNK_RUNTIME, learner_xla_flags
+from actorq_jax.agents.learner_xla import NO_THUNK_RUNTIME, SKIP_PASSES, learner_xla_flags
 
 HEADLINE = ("learner_sgd_per_s_256x3", "learner_flops_fraction_256x3", "learner_sampling_overhead_256x3",
             "tensorboard_cpu_s_per_learner_row", "tensorboard_cpu_fraction_256x3")
@@ -43,15 +43,16 @@ def test_learner_benchmark_quick_reports_finite_headline(tmp_path):
 
 
 @pytest.mark.parametrize("version, existing, expected", [
-    ("0.4.34", "", NO_THUNK_RUNTIME),
-    ("0.4.34", "--xla_cpu_multi_thread_eigen=false", f"--xla_cpu_multi_thread_eigen=false {NO_THUNK_RUNTIME}"),
-    ("0.6.2", "", NO_THUNK_RUNTIME),
+    ("0.4.34", "", f"{NO_THUNK_RUNTIME} {SKIP_PASSES}"),
+    ("0.4.34", "--xla_cpu_multi_thread_eigen=false", f"--xla_cpu_multi_thread_eigen=false {NO_THUNK_RUNTIME} {SKIP_PASSES}"),
+    ("0.6.2", "", f"{NO_THUNK_RUNTIME} {SKIP_PASSES}"),
     # Before 0.4.32 the old runtime is the default; from 0.7 it is gone and the flag would break every jit.
     ("0.4.31", "", ""),
     ("0.7.0", "--xla_cpu_multi_thread_eigen=false", "--xla_cpu_multi_thread_eigen=false"),
     ("0.10.1rc1", "", ""),
-    # A runtime chosen by the user stays.
-    ("0.4.34", "--xla_cpu_use_thunk_runtime=true", "--xla_cpu_use_thunk_runtime=true"),
+    # A runtime or a list of skipped passes chosen by the user stays (XLA would take the last one given).
+    ("0.4.34", "--xla_cpu_use_thunk_runtime=true", f"--xla_cpu_use_thunk_runtime=true {SKIP_PASSES}"),
+    ("0.4.34", "--xla_disable_hlo_passes=algsimp", f"--xla_disable_hlo_passes=algsimp {NO_THUNK_RUNTIME}"),
 ])
 def test_learner_xla_flags_only_where_the_runtime_exists(version, existing, expected):
     assert learner_xla_flags(existing, jaxlib_version=version) == expected

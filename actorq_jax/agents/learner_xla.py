@@ -15,6 +15,15 @@ from typing import Optional, Tuple
 # where it exists.
 NO_THUNK_RUNTIME = "--xla_cpu_use_thunk_runtime=false"
 NO_THUNK_JAXLIB = ((0, 4, 32), (0, 7, 0))  # [first, last) jaxlib versions with both runtimes
+# Two XLA:CPU passes that cost the step time without changing what it computes:
+# - tree_reduction_rewriter splits every reduction longer than 32 (LayerNorm's means, the
+#   softmax over 51 atoms, bias gradients, global norms) into a windowed reduce that XLA:CPU
+#   runs as a slow, unvectorized loop; without it each is one vectorized reduce loop;
+# - onednn-ops-rewriter hands LayerNorm and softmax to oneDNN calls that XLA cannot fuse
+#   with the work around them.
+# The oneDNN matmul rewrite, which the step gains from, is another pass and stays.
+SKIPPED_PASSES = ("tree_reduction_rewriter", "onednn-ops-rewriter")
+SKIP_PASSES = f"--xla_disable_hlo_passes={','.join(SKIPPED_PASSES)}"
 
 
 def _version(text: str) -> Tuple[int, ...]:
@@ -26,13 +35,19 @@ def _version(text: str) -> Tuple[int, ...]:
 
 
 def learner_xla_flags(existing: str = "", jaxlib_version: Optional[str] = None) -> str:
-    """`existing` XLA_FLAGS plus the learner's (NO_THUNK_RUNTIME where this jaxlib has it); one already set wins."""
+    """`existing` XLA_FLAGS plus the learner's where this jaxlib has its runtime; a flag already set wins."""
     if jaxlib_version is None:
         try:
             jaxlib_version = metadata.version("jaxlib")
         except metadata.PackageNotFoundError:
             return existing
     low, high = NO_THUNK_JAXLIB
-    if not low <= _version(jaxlib_version) < high or "xla_cpu_use_thunk_runtime" in existing:
+    # Measured on the jaxlib versions with both runtimes only; the passes are skipped with the runtime, never alone.
+    if not low <= _version(jaxlib_version) < high:
         return existing
-    return f"{existing} {NO_THUNK_RUNTIME}".strip()
+    flags = [existing] if existing else []
+    if "xla_cpu_use_thunk_runtime" not in existing:
+        flags.append(NO_THUNK_RUNTIME)
+    if "xla_disable_hlo_passes" not in existing:
+        flags.append(SKIP_PASSES)
+    return " ".join(flags)
