@@ -42,7 +42,7 @@ def learner_xla_flags(existing: str = "", jaxlib_version: Optional[str] = None) 
         except metadata.PackageNotFoundError:
             return existing
     low, high = NO_THUNK_JAXLIB
-    # Measured on the jaxlib versions with both runtimes only; the passes are skipped with the runtime, never alone.
+    # Measured on the jaxlib versions with both runtimes only (skipping the passes gains under either runtime).
     if not low <= _version(jaxlib_version) < high:
         return existing
     flags = [existing] if existing else []
