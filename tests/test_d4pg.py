@@ -73,6 +73,34 @@ def test_critic_loss_matches_hand_computation(reward, discount, expected):
     assert float(loss) == pytest.approx(expected, rel=1e-5)
 
 
+def test_critic_loss_and_its_gradient_equal_rlax_categorical_td_learning():
+    import rlax
+
+    config = _tiny_config(num_atoms=11, v_min=-3.0, v_max=3.0)
+    networks = learning.make_networks(config, _spec())
+    state = learning.init_state(config, networks, _spec(), jax.random.PRNGKey(3))
+    # Targets that differ from the online critic, and rewards that push some atoms past the support's ends.
+    target_critic = jax.tree_util.tree_map(lambda p: p + 0.3, state.critic_params)
+    batch = _batch(size=8, seed=5)._replace(reward=np.linspace(-4.0, 4.0, 8).astype(np.float32))
+
+    def reference(critic_params):
+        logits_tm1 = networks.critic.apply(critic_params, batch.observation, batch.action)
+        next_action = networks.policy.apply(state.target_policy_params, batch.next_observation)
+        logits_t = networks.critic.apply(target_critic, batch.next_observation, next_action)
+        per_example = jax.vmap(rlax.categorical_td_learning, in_axes=(None, 0, 0, 0, None, 0))(
+            networks.atoms, logits_tm1, batch.reward, batch.discount, networks.atoms, logits_t)
+        return jnp.mean(per_example)
+
+    def ours(critic_params):
+        return learning.critic_loss(critic_params, target_critic, state.target_policy_params, networks, batch)
+
+    want_loss, want_grads = jax.value_and_grad(reference)(state.critic_params)
+    got_loss, got_grads = jax.jit(jax.value_and_grad(ours))(state.critic_params)
+    assert float(got_loss) == pytest.approx(float(want_loss), rel=1e-5)
+    for got, want in zip(jax.tree_util.tree_leaves(got_grads), jax.tree_util.tree_leaves(want_grads)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-6)
+
+
 def test_sgd_step_lowers_the_loss_on_a_fixed_batch():
     config = _tiny_config(
         critic_learning_rate=1e-3, policy_learning_rate=1e-3, target_update_period=1000, num_atoms=11, v_min=-5.0, v_max=5.0

@@ -106,3 +106,33 @@ def test_elu_has_jax_nn_elus_values_and_derivatives_and_a_finite_gradient_at_lar
     np.testing.assert_allclose(jax.jit(lambda w: loss(elu, w))(w), jax.jit(lambda w: loss(jax.nn.elu, w))(w), rtol=1e-5)
     np.testing.assert_allclose(jax.jit(jax.grad(lambda w: loss(elu, w)))(w), jax.jit(jax.grad(lambda w: loss(jax.nn.elu, w)))(w),
                                rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize(
+    "rows, inner, outer, split",
+    [
+        (256, 256, 51, True),  # the critic head at batch 256: between oneDNN's batched and 2-D thresholds
+        (256, 512, 512, False),  # already over the 2-D threshold
+        (256, 6, 512, False),  # a thin operand
+        (255, 256, 51, False),  # odd rows do not halve
+        (8, 256, 51, False),  # an actor's batch: under the batched threshold
+    ],
+)
+def test_float_matmul_splits_only_mid_sized_dots_and_equals_jnp_dot_with_its_gradients(rows, inner, outer, split):
+    from actorq_jax.networks import layers
+
+    x = jax.random.normal(jax.random.PRNGKey(0), (rows, inner))
+    kernel = jax.random.normal(jax.random.PRNGKey(1), (inner, outer))
+    dims = [eqn.params["dimension_numbers"] for eqn in jax.make_jaxpr(layers.float_matmul)(x, kernel).eqns
+            if eqn.primitive.name == "dot_general"]
+    batched = [batch for (_, batch) in dims if batch[0]]
+    assert len(dims) == 1 and bool(batched) == split
+
+    def loss(fn):
+        return lambda a, b: jnp.sum(jnp.sin(fn(a, b)))
+
+    np.testing.assert_allclose(layers.float_matmul(x, kernel), jnp.dot(x, kernel), rtol=1e-5, atol=1e-4)
+    got = jax.grad(loss(layers.float_matmul), argnums=(0, 1))(x, kernel)
+    want = jax.grad(loss(jnp.dot), argnums=(0, 1))(x, kernel)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-3)

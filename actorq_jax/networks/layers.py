@@ -28,12 +28,33 @@ def activation_fn(name: str) -> Callable[[jnp.ndarray], jnp.ndarray]:
     return ACTIVATIONS[name]
 
 
+# XLA:CPU hands a 2-D dot to oneDNN from 2^24 FLOPs up, a batched one from 2^19. The dots between (the
+# critic head's 256x256 -> 51 atoms at batch 256, forward and in its gradient) run in XLA's own loops at
+# about 30 GFLOP/s; split into two batched halves, the same products run in oneDNN, 1.8x faster.
+ONEDNN_2D_MIN_FLOPS, ONEDNN_BATCHED_MIN_FLOPS = 2**24, 2**19
+SPLIT_MIN_DIM = 32  # a thin operand (K or N under this) gains nothing from the split
+
+
+def float_matmul(x: jnp.ndarray, kernel: jnp.ndarray) -> jnp.ndarray:
+    """x @ kernel, as two batched halves where that moves the dot into XLA:CPU's oneDNN range."""
+    if x.ndim != 2:
+        return jnp.dot(x, kernel)
+    (rows, inner), outer = x.shape, kernel.shape[1]
+    flops = 2 * rows * inner * outer
+    if (rows % 2 or min(inner, outer) < SPLIT_MIN_DIM
+            or not ONEDNN_BATCHED_MIN_FLOPS <= flops < ONEDNN_2D_MIN_FLOPS):
+        return jnp.dot(x, kernel)
+    halves = x.reshape(2, rows // 2, inner)
+    y = jnp.einsum("gmk,gkn->gmn", halves, jnp.broadcast_to(kernel, (2, inner, outer)))
+    return y.reshape(rows, outer)
+
+
 def apply_dense(x: jnp.ndarray, kernel: Any, bias: Optional[jnp.ndarray], activation: Optional[str] = None) -> jnp.ndarray:
     """Computes act(x @ kernel + bias) for a float, half, QuantizedTensor or Int8DenseWeight kernel."""
     if activation is not None:
         act = activation_fn(activation)
     if isinstance(kernel, jnp.ndarray) or hasattr(kernel, "__array__"):
-        y = jnp.dot(x, jnp.asarray(kernel).astype(x.dtype))
+        y = float_matmul(x, jnp.asarray(kernel).astype(x.dtype))
     else:
         if isinstance(kernel, kernels.Int8DenseWeight):
             # The kernel applies the activation in its epilogue: no separate XLA op per layer.
