@@ -116,6 +116,8 @@ def test_elu_has_jax_nn_elus_values_and_derivatives_and_a_finite_gradient_at_lar
         (256, 6, 512, False),  # a thin operand
         (255, 256, 51, False),  # odd rows do not halve
         (8, 256, 51, False),  # an actor's batch: under the batched threshold
+        (16, 512, 512, False),  # 16 environments against a wide layer: in the range, but too few rows
+        (64, 256, 256, True),  # the fewest rows split
     ],
 )
 def test_float_matmul_splits_only_mid_sized_dots_and_equals_jnp_dot_with_its_gradients(rows, inner, outer, split):
