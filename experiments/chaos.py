@@ -3,19 +3,19 @@
     python experiments/chaos.py --minutes 15            # the full soak (results in results/chaos_<time>)
     python experiments/chaos.py --quick                 # a few minutes; what the test suite runs
 
-Every 20-40 s (seeded) it SIGKILLs a random actor; once it SIGKILLs the learner (the launcher restarts
-it in place), once the replay service (restarted on its port from its last checkpoint while the learner
-and actors reconnect), once it SIGSTOPs the replay service for a few seconds (shorter than
+Every 20-40 s (seeded) it SIGKILLs a random actor; once it SIGKILLs the learner (the launcher restarts it
+in place), once the replay service (restarted on its port from its last checkpoint while the learner and
+actors reconnect), once it SIGSTOPs the replay service for a few seconds (shorter than
 --server_timeout_s: nobody may exit or restart), once it starts two hand-started remote actors with one
-id (the second must exit 2 naming the id), once it stops the whole run and resumes it with --resume,
-once it inserts a malformed payload into the variables table. Then it runs an undisturbed run of the
-same number of learner steps and checks: every actor CSV row well-formed; learner steps and env steps
-monotonic across the whole run (learner.csv and the summary of each launch); no process left; the
-paused service held everyone; no live process was killed as hung (every fault kills, or pauses for less
-than any watchdog allows); the duplicate id refused; no non-finite parameter published (no actor
-rejected more payloads than the malformed ones injected, no launch ended diverged); the chaos run's
-final evaluation return within the range of the undisturbed run's evaluations. Prints one line per
-check; exit code 0 when every check passes, 1 otherwise.
+id and one log directory at once (one must exit 2 naming the id, the other act on), once it stops the
+whole run and resumes it with --resume, once it inserts a malformed payload into the variables table.
+Then it runs an undisturbed run of the same number of learner steps and checks: every actor CSV row
+well-formed; learner steps and env steps monotonic across the whole run (learner.csv and the summary of
+each launch); no process left; the paused service held everyone; no live process was killed as hung
+(every fault kills, or pauses for less than any watchdog allows); the duplicate id refused; no non-finite
+parameter published (no actor rejected more payloads than the malformed ones injected, no launch ended
+diverged); the chaos run's final evaluation return within the range of the undisturbed run's evaluations.
+Prints one line per check; exit code 0 when every check passes, 1 otherwise.
 """
 
 import argparse
@@ -188,34 +188,46 @@ def _pause_replay(results: Path, proc: subprocess.Popen) -> Dict[str, Any]:
 
 
 def _duplicate_actor(results: Path, soak: Soak) -> Dict[str, Any]:
-    """Starts a remote actor, then a second with its id: the second must exit 2 naming the id; the first runs on."""
+    """Starts two remote actors with one id and one log directory at once: one must exit 2 naming the id, the other
+    run on (an episode in its file) and exit 0 when stopped."""
     address = _status(results, "replay")["local_address"]
     actor_id = soak.num_actors + 10  # outside the launcher's ids 0..num_actors-1
     logs = results.parent / "remote_actors"
     logs.mkdir(exist_ok=True)
     command = [sys.executable, "-m", "actorq_jax.launch.actor", "--server", address, "--actor_id", str(actor_id),
                "--log_dir", str(logs)]
-    with open(logs / "first.log", "ab") as first_log:
-        first = subprocess.Popen(command, cwd=REPO, env=ENV, stdout=first_log, stderr=subprocess.STDOUT)
+    # Started together (the service grants the lease to one), which also halves the wait for two start-ups.
+    outputs = [logs / f"twin_{i}.log" for i in range(2)]
+    twins = []
+    for output in outputs:
+        with open(output, "ab") as out:
+            twins.append(subprocess.Popen(command, cwd=REPO, env=ENV, stdout=out, stderr=subprocess.STDOUT))
     try:
-        csv = logs / RunDir.actor_file(actor_id)
         deadline = time.monotonic() + 300.0
-        # A finished episode means its lease is held.
-        while first.poll() is None and time.monotonic() < deadline and len(csv.read_text().splitlines()
-                                                                           if csv.exists() else []) < 2:
+        while all(t.poll() is None for t in twins) and time.monotonic() < deadline:
             time.sleep(0.5)
-        second = subprocess.run(command, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
-        first_running = first.poll() is None
+        first_out = next((i for i, t in enumerate(twins) if t.poll() is not None), 1)
+        refused, holder = twins[first_out], twins[1 - first_out]
+        csv = logs / RunDir.actor_file(actor_id)
+        # A finished episode: the holder acts under its lease, in a file the refused twin left alone.
+        while holder.poll() is None and time.monotonic() < deadline and len(csv.read_text().splitlines()
+                                                                            if csv.exists() else []) < 2:
+            time.sleep(0.5)
+        holder_running = holder.poll() is None
     finally:
-        first.send_signal(signal.SIGTERM)
-        try:
-            first.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            first.kill()
-            first.wait()
-    return {"actor_id": actor_id, "second_code": second.returncode, "first_running": first_running,
-            "first_code": first.returncode, "said": f"--actor_id {actor_id} is held by another actor" in second.stderr,
-            "second_tail": second.stderr.strip().splitlines()[-1:] }
+        for twin in twins:
+            if twin.poll() is None:
+                twin.send_signal(signal.SIGTERM)
+        for twin in twins:
+            try:
+                twin.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                twin.kill()
+                twin.wait()
+    said = outputs[first_out].read_text(errors="replace").strip().splitlines()
+    return {"actor_id": actor_id, "refused_code": refused.returncode, "holder_running": holder_running,
+            "holder_code": holder.returncode, "said": any(f"--actor_id {actor_id} is held by another actor" in line
+                                                           for line in said), "refused_tail": said[-1:]}
 
 
 def run_soak(soak: Soak, say) -> Dict[str, Any]:
@@ -259,8 +271,8 @@ def run_soak(soak: Soak, say) -> Dict[str, Any]:
                     f"{events['pause']['gone'] or 'nobody'}")
             elif event == "duplicate_actor":
                 events["duplicate"] = duplicate = _duplicate_actor(soak.results, soak)
-                say(f"{at:6.0f}s  second remote actor with --actor_id {duplicate['actor_id']} exited "
-                    f"{duplicate['second_code']}: {' '.join(duplicate['second_tail'])}")
+                say(f"{at:6.0f}s  two remote actors with --actor_id {duplicate['actor_id']}: the refused one exited "
+                    f"{duplicate['refused_code']}: {' '.join(duplicate['refused_tail'])}")
             elif event == "malformed_payload":
                 _malformed_payload(_status(soak.results, "replay")["local_address"])
                 events["malformed"] += 1
@@ -344,10 +356,10 @@ def check(soak: Soak, disturbed: Dict[str, Any], reference_dir: Path) -> List[tu
     results.append(("no live process killed as hung", not silenced,
                     f"{len(silenced)} killed for their silence: {silenced[:3]}"))
     duplicate = events.get("duplicate", {})
-    results.append(("duplicate actor id refused", bool(duplicate) and duplicate["second_code"] == 2
-                    and duplicate["said"] and duplicate["first_running"] and duplicate["first_code"] == 0,
-                    f"second exited {duplicate.get('second_code')} naming the id: {duplicate.get('said')}; first "
-                    f"ran on: {duplicate.get('first_running')}, exited {duplicate.get('first_code')}"))
+    results.append(("duplicate actor id refused", bool(duplicate) and duplicate["refused_code"] == 2
+                    and duplicate["said"] and duplicate["holder_running"] and duplicate["holder_code"] == 0,
+                    f"one exited {duplicate.get('refused_code')} naming the id: {duplicate.get('said')}; the holder "
+                    f"ran on: {duplicate.get('holder_running')}, exited {duplicate.get('holder_code')}"))
     losses_finite = all(math.isfinite(v) for r in learner for k, v in r.items()
                         if k.endswith("_loss") and isinstance(v, float))
     learner_log = RunDir(soak.results).log("learner")

@@ -17,7 +17,7 @@ def test_quick_chaos_soak_loses_nothing(tmp_path):
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=840)
     out = proc.stdout
     for event in ("SIGKILL actor", "SIGKILL learner", "SIGKILL replay service", "stopped the run", "resuming",
-                  "malformed payload", "SIGSTOP replay service", "second remote actor"):
+                  "malformed payload", "SIGSTOP replay service", "two remote actors with --actor_id"):
         assert event in out, out[-3000:] + proc.stderr[-3000:]
     for check in ("actor CSV rows well-formed", "learner and env steps monotonic", "no process left",
                   "final return within the undisturbed run's range", "paused replay service held everyone",

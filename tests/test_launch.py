@@ -198,6 +198,8 @@ def test_remote_actor_contributes_transitions(tmp_path):
         refused = next(out for d, out in outputs.items() if d != remote_dir)
         assert len(re.findall(r"--actor_id 7 is held by another actor \([^)]+:\d+\)", refused)) == 1, refused[-3000:]
         assert "Traceback" not in refused
+        # The refused twin never opened the id's results file: the holder's rows are the holder's alone.
+        assert not (next(d for d in pair if d != remote_dir) / "actor_7.csv").exists()
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=200)
     finally:

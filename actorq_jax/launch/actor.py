@@ -364,9 +364,8 @@ def run_actor(
 
     actor = Actor(run, agent_config, actor_id, address, stop, restart, server_timeout_s)
     lease = IdLease(address, actor_id, takeover=takeover_id)
-    # One row per episode, flushed at once: a killed actor loses no finished episode.
     csv_path = Path(log_dir) / RunDir.actor_file(actor_id)
-    logger = open_run_csv(csv_path, ACTOR_FIELDS, flush_every_s=0)
+    logger = None
     gone: Optional[ServerGone] = None
     try:
         if not actor.connect():
@@ -378,6 +377,10 @@ def run_actor(
             return EXIT_ID_TAKEN
         except TimeoutError as error:
             raise ServerGone(str(error)) from None
+        # Opened only under the lease: opening trims a partial last line (or starts the file), which would cut
+        # into the rows of the actor that holds the id when a refused twin shares its log directory.
+        # One row per episode, flushed at once: a killed actor loses no finished episode.
+        logger = open_run_csv(csv_path, ACTOR_FIELDS, flush_every_s=0)
         written = 0
         while not stop.is_set() and (max_episodes is None or written < max_episodes):
             row = actor.run_episode()
@@ -393,7 +396,8 @@ def run_actor(
         return EXIT_SERVER_GONE
     finally:
         lease.release(tell_server=gone is None)
-        logger.close()
+        if logger is not None:
+            logger.close()
         actor.close(server_gone=gone is not None)
         if forwarder is not None and (gone is not None or not forwarder.wait_acknowledged(ACK_WAIT_S)):
             log.warning("%d episode rows did not reach the run's results directory; %s has them all",
