@@ -21,6 +21,12 @@ def test_first_non_finite_names_the_leaf_and_the_kind():
     assert first_non_finite(tree, "state ") == "state critic/b is inf"
     # Integer leaves (step counters, replay keys) cannot be non-finite and are skipped.
     assert first_non_finite({"steps": np.arange(3), "loss": jnp.float32(1.0)}) is None
+    # The same structure with a float where an integer was: the leaf is checked, not skipped as before.
+    assert first_non_finite({"steps": np.array([np.inf]), "loss": jnp.float32(1.0)}) == "steps is inf"
+    # Python scalars, half-precision leaves and empty trees.
+    assert first_non_finite({"lr": 1e-3, "n": 3}) is None and first_non_finite({"lr": float("nan")}) == "lr is nan"
+    assert first_non_finite([jnp.ones(2, jnp.bfloat16), jnp.array([1.0, -np.inf], jnp.bfloat16)]) == "1 is inf"
+    assert first_non_finite({}) is None
 
 
 def test_a_resumed_run_may_change_its_step_sizes_and_nothing_else(tmp_path, capsys):
