@@ -8,13 +8,16 @@ in place), once the replay service (restarted on its port from its last checkpoi
 actors reconnect), once it SIGSTOPs the replay service for a few seconds (shorter than
 --server_timeout_s: nobody may exit or restart), once it starts two hand-started remote actors with one
 id and one log directory at once (one must exit 2 naming the id, the other act on), once it stops the
-whole run and resumes it with --resume, once it inserts a malformed payload into the variables table.
+whole run and resumes it with --resume, once it inserts malformed payloads into the variables table
+(again and again for MALFORMED_BURST_S: the learner's next publication replaces each within a fraction
+of a second, so one alone could be gone before any actor refreshed).
 Then it runs an undisturbed run of the same number of learner steps and checks: every actor CSV row
 well-formed; learner steps and env steps monotonic across the whole run (learner.csv and the summary of
 each launch); no process left; the paused service held everyone; no live process was killed as hung
 (every fault kills, or pauses for less than any watchdog allows); the duplicate id refused; no non-finite
 parameter published (no actor rejected more payloads than the malformed ones injected, no launch ended
-diverged); the chaos run's final evaluation return within the range of the undisturbed run's evaluations.
+diverged); an actor rejected a malformed payload; the chaos run's final evaluation return within the
+range of the undisturbed run's evaluations.
 Prints one line per check; exit code 0 when every check passes, 1 otherwise.
 """
 
@@ -54,6 +57,10 @@ PAUSE_S = 5.0
 # What the launcher says when it kills a live worker that went silent (a stopped or hung one).
 SILENCE_KILLS = "but is alive (stopped or hung); killing it"
 LEASE_KILLS = "has not renewed its id lease for"
+# Malformed payloads are inserted every MALFORMED_EVERY_S for MALFORMED_BURST_S: longer than several of an
+# actor's variable refreshes (every --update_period env steps), so one finds a malformed payload newest.
+MALFORMED_BURST_S = 2.0
+MALFORMED_EVERY_S = 0.02
 
 
 @dataclasses.dataclass
@@ -131,15 +138,22 @@ def _schedule(soak: Soak) -> List[tuple]:
     return list(zip(times, events))
 
 
-def _malformed_payload(address: str) -> None:
+def _malformed_payloads(address: str) -> int:
+    """Inserts a malformed payload into the variables table every MALFORMED_EVERY_S for MALFORMED_BURST_S; how many."""
     import numpy as np
     import reverb
 
     from actorq_jax.launch import runtime
     from actorq_jax.replay.variables import insert_wire
 
-    insert_wire(reverb.Client(address), runtime.VARIABLES_TABLE,
-                [np.frombuffer(b'{"format": "actorq-wire", "format_version": 1, "chaos": true}', np.uint8)])
+    client = reverb.Client(address)
+    payload = [np.frombuffer(b'{"format": "actorq-wire", "format_version": 1, "chaos": true}', np.uint8)]
+    inserted, end = 0, time.monotonic() + MALFORMED_BURST_S
+    while time.monotonic() < end:
+        insert_wire(client, runtime.VARIABLES_TABLE, payload)
+        inserted += 1
+        time.sleep(MALFORMED_EVERY_S)
+    return inserted
 
 
 def _paused(results: Path, proc: subprocess.Popen, old_pid: Optional[int] = None) -> float:
@@ -274,9 +288,10 @@ def run_soak(soak: Soak, say) -> Dict[str, Any]:
                 say(f"{at:6.0f}s  two remote actors with --actor_id {duplicate['actor_id']}: the refused one exited "
                     f"{duplicate['refused_code']}: {' '.join(duplicate['refused_tail'])}")
             elif event == "malformed_payload":
-                _malformed_payload(_status(soak.results, "replay")["local_address"])
-                events["malformed"] += 1
-                say(f"{at:6.0f}s  malformed payload into the variables table")
+                inserted = _malformed_payloads(_status(soak.results, "replay")["local_address"])
+                events["malformed"] += inserted
+                say(f"{at:6.0f}s  malformed payload into the variables table, {inserted} times in "
+                    f"{MALFORMED_BURST_S:.0f} s")
             else:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(timeout=600)
@@ -370,6 +385,9 @@ def check(soak: Soak, disturbed: Dict[str, Any], reference_dir: Path) -> List[tu
                     f"most payloads one actor rejected {rejected} (malformed injected: {events.get('malformed', 0)}); "
                     f"learner.csv losses finite: {losses_finite}; learner diverged: {diverged}; launches that "
                     f"failed: {failed}"))
+    # The actors' rejection at work: a soak whose malformed payloads no actor ever fetched proves nothing by them.
+    results.append(("malformed payload rejected", rejected >= 1,
+                    f"most payloads one actor rejected {rejected} of {events.get('malformed', 0)} injected"))
     returns = [r["return"] for r in read_csv(RunDir(reference_dir).eval_csv) if r["policy"] == "fp32"]
     final = summaries[-1]["final_eval_return"]
     low, high = (min(returns), max(returns)) if returns else (float("nan"), float("nan"))

@@ -21,6 +21,7 @@ def test_quick_chaos_soak_loses_nothing(tmp_path):
         assert event in out, out[-3000:] + proc.stderr[-3000:]
     for check in ("actor CSV rows well-formed", "learner and env steps monotonic", "no process left",
                   "final return within the undisturbed run's range", "paused replay service held everyone",
-                  "duplicate actor id refused", "no non-finite parameter published", "no live process killed as hung"):
+                  "duplicate actor id refused", "no non-finite parameter published", "no live process killed as hung",
+                  "malformed payload rejected"):
         assert f"PASS  {check}" in out, out[-3000:] + proc.stderr[-3000:]
     assert proc.returncode == 0
