@@ -21,7 +21,7 @@ def test_first_non_finite_names_the_leaf_and_the_kind():
     assert first_non_finite(tree, "state ") == "state critic/b is inf"
     # Integer leaves (step counters, replay keys) cannot be non-finite and are skipped.
     assert first_non_finite({"steps": np.arange(3), "loss": jnp.float32(1.0)}) is None
-    # The same structure with a float where an integer was: the leaf is checked, not skipped as before.
+    # The same structure with a float where the integer was above: that leaf is checked, not skipped.
     assert first_non_finite({"steps": np.array([np.inf]), "loss": jnp.float32(1.0)}) == "steps is inf"
     # Python scalars, half-precision leaves and empty trees.
     assert first_non_finite({"lr": 1e-3, "n": 3}) is None and first_non_finite({"lr": float("nan")}) == "lr is nan"
