@@ -604,6 +604,27 @@ def test_the_server_reaches_itself_over_the_loopback_whatever_host_it_advertises
 
 @pytest.mark.process
 @pytest.mark.timeout(60)
+def test_a_server_without_a_checkpoint_dir_leaves_nothing_in_the_temp_folder(tmp_path, monkeypatch):
+    # Reverb's default checkpointer makes a temporary directory that nothing removes.
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    config = ReplayTableConfig(max_size=100, min_size=1, samples_per_insert=None)
+    with ReplayServer([make_replay_table(config, OBS, ACT)]) as server:
+        assert server.client().server_info(timeout=5)[config.name].current_size == 0
+        assert len(list(tmp_path.iterdir())) == 1  # where a checkpoint asked of the running server would go
+    assert list(tmp_path.iterdir()) == []
+    # Nor does one that could not start.
+    with pytest.raises(PortTaken):
+        with socket.socket() as holder:
+            holder.bind(("127.0.0.1", 0))
+            holder.listen()
+            ReplayServer([make_replay_table(config, OBS, ACT)], port=holder.getsockname()[1])
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.process
+@pytest.mark.timeout(60)
 def test_a_message_read_that_finds_the_table_emptied_gives_up_at_its_deadline():
     # A reader that counted its messages on one server and samples from the server restarted behind the same
     # address meets an empty table: Reverb's own sampler would wait there for ever.

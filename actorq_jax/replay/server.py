@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import re
 import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
@@ -225,9 +226,10 @@ class ReplayServer:
         if port is not None and not (isinstance(port, int) and 0 < port < 65536):
             raise ValueError(f"port must be an int in 1..65535 or None, got port={port!r}")
         checkpointer = None
+        fallback = None
+        self._scratch: Optional[str] = None  # a checkpoint directory of this server's own, removed with it
         if checkpoint_dir is not None:
             checkpoint_dir = Path(checkpoint_dir).absolute()
-            fallback = None
             if restore:
                 fallback = checkpoint_dir / Path(restore).name
                 if not (fallback / "DONE").exists():
@@ -241,9 +243,15 @@ class ReplayServer:
                 str(work), fallback_checkpoint_path=None if fallback is None else str(fallback))
         elif restore:
             raise ValueError(f"restore={restore!r} needs a checkpoint_dir")
+        else:
+            # Reverb's own default would be a temporary directory that nothing removes: one left in the
+            # temp folder by every server without checkpoints. This one goes with the server.
+            self._scratch = tempfile.mkdtemp(prefix="actorq-replay-")
+            checkpointer = reverb.checkpointers.DefaultCheckpointer(self._scratch)
         self.checkpoint_dir = checkpoint_dir
+        self._server: Optional[reverb.Server] = None
         try:
-            self._server: Optional[reverb.Server] = reverb.Server(
+            self._server = reverb.Server(
                 tables=list(tables), port=port, checkpointer=checkpointer)
         except (RuntimeError, ValueError) as error:  # Reverb says only that gRPC did not start: say why if it is the port
             if port is not None and port_in_use(port):
@@ -254,6 +262,9 @@ class ReplayServer:
                 raise ReplayCheckpointUnreadable(
                     f"replay checkpoint {Path(restore).name!r} in {checkpoint_dir} cannot be read: {first}") from error
             raise
+        finally:
+            if self._server is None:
+                self._remove_scratch()
         self._port = self._server.port
         self._host = advertised_host
         self.table_names = tuple(table.name for table in tables)
@@ -303,6 +314,12 @@ class ReplayServer:
         if self._server is not None:
             self._server.stop()
             self._server = None
+        self._remove_scratch()
+
+    def _remove_scratch(self) -> None:
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            self._scratch = None
 
     def __enter__(self) -> "ReplayServer":
         return self
