@@ -185,6 +185,8 @@ def test_flag_defaults_are_the_config_defaults(agent, config_class):
         ("dqn", ["--policy_learning_rate", "1e-3"], "--policy_learning_rate"),  # a D4PG flag
         ("dqn", ["--max_actor_restarts", "-1"], "--max_actor_restarts"),
         ("dqn", ["--port", "70000"], "--port"),
+        ("d4pg", ["--actor_hang_s", "0"], "--actor_hang_s"),
+        ("dqn", ["--actor_hang_s", "nan"], "--actor_hang_s"),
     ],
 )
 def test_bad_agent_flags_exit_2_naming_the_flag(agent, flags, named, tmp_path, capsys):

@@ -282,3 +282,44 @@ def test_new_dqn_items_are_sampled_at_the_max_priority(tmp_path):
         finally:
             restarted.publisher.close()
             restarted.checkpointer.close()
+
+
+@pytest.mark.process
+@pytest.mark.timeout(300)
+def test_an_actor_stuck_in_a_call_that_releases_the_gil_exits_and_is_restarted(tmp_path):
+    # A stuck call that releases the GIL leaves the actor's lease thread running: without the main loop's beats
+    # the lease would be renewed for ever and the launcher would never notice.
+    import hanging_agent
+
+    from actorq_jax.agents.registry import AGENT_MODULES_ENV
+
+    results, hang_file = tmp_path / "run", tmp_path / "hang"
+    env = {**ENV, AGENT_MODULES_ENV: hanging_agent.MODULE, hanging_agent.HANG_FILE_ENV: str(hang_file),
+           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT / "tests"), ENV.get("PYTHONPATH", "")) if p)}
+    proc = subprocess.Popen([sys.executable, "experiments/run.py", "--agent", hanging_agent.NAME, *TINY,
+                             "--num_actors", "1", "--actor_hang_s", "10", "--max_seconds", "240",
+                             "--results_dir", str(results)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        launcher = psutil.Process(proc.pid)
+        wait_for(lambda: status(results, "replay").get("env_steps", 0) >= 200, 150, "the actor's first steps", proc)
+        stuck = worker_process(launcher, "actor", 0)
+        hang_file.write_text(str(stuck.pid))
+        stuck_at = time.monotonic()
+        wait_for(lambda: worker_process(launcher, "actor", 0, restart=1), 90, "actor 0's restart", proc)
+        # Not before its main loop had been quiet for --actor_hang_s (the call it is stuck in began at the write).
+        assert time.monotonic() - stuck_at >= 9.5
+        assert alive([stuck.pid]) == []
+        steps = status(results, "replay").get("env_steps", 0)
+        wait_for(lambda: status(results, "replay").get("env_steps", 0) >= steps + 200, 120, "the restart's steps", proc)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        stop_all(proc)
+    assert proc.returncode == 0, out[-3000:]
+    events = json.loads((results / "summary.json").read_text())["events"]
+    died = [e for e in events if e.startswith("actor_0 died")]
+    assert len(died) == 1 and f"exit code {runtime.EXIT_HUNG}: its main loop hung" in died[0], events
+    log = (results / "logs" / "actor_0.log").read_text()
+    assert "actor id 0: its main loop has made no progress for" in log and "giving the id back" in log, log[-3000:]
+

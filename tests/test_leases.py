@@ -86,3 +86,28 @@ def test_a_lease_released_without_telling_the_server_stays_held_until_it_expires
     quiet.acquire(timeout_s=10)
     quiet.release(tell_server=False)  # as an actor whose service is gone: no message to wait out
     _held_until_it_expires(service, 4)
+
+
+@pytest.mark.timeout(60)
+def test_a_lease_whose_main_loop_stops_beating_is_given_back_and_its_holder_told(service):
+    stuck = []
+    lease = IdLease(service, 11, hang_s=1.0, on_hang=stuck.append)
+    lease.acquire(timeout_s=10)
+    # Beating for longer than hang_s: the lease is renewed and held.
+    end = time.monotonic() + 2.5
+    while time.monotonic() < end:
+        lease.beat()
+        time.sleep(0.1)
+    assert stuck == []
+    assert read_leases(reverb.Client(service))["leases"][11]["token"] == lease.token
+    # The beats stop: within hang_s and a wake-up (hang_s / 2) the holder is told how long its loop was quiet.
+    quiet_from = time.monotonic()
+    while not stuck and time.monotonic() - quiet_from < 10:
+        time.sleep(0.05)
+    assert len(stuck) == 1 and 1.0 < stuck[0] < 3.0, stuck
+    # Given back, not left to expire (its time to live is LEASE_TTL_S, 10 s): another actor gets the id at once.
+    other = IdLease(service, 11)
+    other.acquire(timeout_s=5)
+    assert time.monotonic() - quiet_from < 6.0
+    other.release()
+    lease.release()

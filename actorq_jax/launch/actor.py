@@ -20,7 +20,9 @@ gone for `server_timeout_s`; a service that answers again on the same address
 (the launcher restarts it, or the stopped process goes on) gets its actors back,
 which abandon the episode in progress. Past the timeout the actor
 says so in one line and exits with EXIT_SERVER_GONE; every finished episode is
-already in its CSV.
+already in its CSV. A main loop stuck anywhere else (a call that never returns) is
+caught by the id lease: without the loop's beats for --actor_hang_s it gives the id
+back and ends the process with runtime.EXIT_HUNG (launch/leases.py).
 """
 
 import argparse
@@ -65,11 +67,13 @@ class ServerGone(RuntimeError):
 class Link:
     """The actor's view of the replay service: is it there, and how long has it been gone."""
 
-    def __init__(self, address: str, timeout_s: float, stop: threading.Event, version: Callable[[], Any]):
+    def __init__(self, address: str, timeout_s: float, stop: threading.Event, version: Callable[[], Any],
+                 beat: Callable[[], None] = lambda: None):
         self.address = address
         self.timeout_s = timeout_s
         self.stop = stop
         self.version = version
+        self.beat = beat  # waiting for the service is progress, not a hang (leases.IdLease.beat)
         self.outages = 0
 
     def reachable(self) -> bool:
@@ -88,6 +92,7 @@ class Link:
         since = time.monotonic() if since is None else since
         counted = False
         while not self.stop.is_set():
+            self.beat()
             if self.reachable():
                 return True
             if not counted:
@@ -136,7 +141,10 @@ class Actor:
         self.like = quantize(self.builder.params_template(), QuantConfig(bits=run.wire_bits, granularity=run.granularity))
         if server_timeout_s is None:
             server_timeout_s = run.server_timeout_s
-        self.link = Link(address, server_timeout_s, stop, lambda: self.variables.version if self.variables else None)
+        # The main loop's progress, told to the id lease by run_actor (a hung loop gives the id back: leases.py).
+        self.beat: Callable[[], None] = lambda: None
+        self.link = Link(address, server_timeout_s, stop, lambda: self.variables.version if self.variables else None,
+                         beat=lambda: self.beat())
         self.timer = PhaseTimer()
         self.variables: Any = None
         self.adders: List[Any] = []
@@ -196,6 +204,7 @@ class Actor:
         # The server has not confirmed anything since the write that timed out began.
         silent_since = time.monotonic() - ((adder.timeout_s or 0.0) if wait_for_writes else 0.0)
         while wait_for_writes and not self.stop.is_set() and self.link.reachable():
+            self.beat()  # held by the rate limiter: the learner is busy, this loop is not hung
             try:
                 adder.wait(WAIT_SLICE_S)  # the rate limiter holds our items: the learner is busy, not gone
                 return True
@@ -254,6 +263,7 @@ class Actor:
     def run_episode(self) -> Optional[Dict[str, Any]]:
         """Acts until one of the environments finishes an episode; its CSV row, or None when stopped or abandoned."""
         while not self._ready:
+            self.beat()
             if self.stop.is_set() or (self.needs_start and not self.start_episodes()):
                 return None
             self._ready.extend(self.step())
@@ -363,7 +373,8 @@ def run_actor(
     from actorq_jax.telemetry.csv_logger import open_run_csv
 
     actor = Actor(run, agent_config, actor_id, address, stop, restart, server_timeout_s)
-    lease = IdLease(address, actor_id, takeover=takeover_id)
+    lease = IdLease(address, actor_id, takeover=takeover_id, hang_s=run.actor_hang_s)
+    actor.beat = lease.beat
     csv_path = Path(log_dir) / RunDir.actor_file(actor_id)
     logger = None
     gone: Optional[ServerGone] = None

@@ -76,6 +76,9 @@ class RunConfig:
     server_timeout_s: float = documented(
         60.0, "seconds a worker keeps reconnecting to an unreachable replay service before it exits non-zero; "
             "also how long a run whose own actors all died waits for an env step from a remote one")
+    actor_hang_s: float = documented(
+        120.0, "seconds an actor's main loop may make no progress (a call or environment that never returns) before "
+               "the actor gives its id back and exits with code 6; the launcher restarts its own actors")
     port: int = documented(0, "Reverb port of the replay service (0: a free one)")
     launcher: str = documented(
         "local", f"where workers run, one of {LAUNCHERS}: local subprocesses, or Ray actors on a cluster's nodes")
@@ -158,6 +161,8 @@ def run_config_problems(run: Any) -> List[Tuple[str, str]]:
             problems.append((name, str(error)))
     if not run.server_timeout_s > 0:
         problems.append(("server_timeout_s", f"must be > 0, got {run.server_timeout_s}"))
+    if not run.actor_hang_s > 0:
+        problems.append(("actor_hang_s", f"must be > 0, got {run.actor_hang_s}"))
     if not 0 <= run.port < 65536:
         problems.append(("port", f"must be in 0..65535, got {run.port}"))
     if run.publish_period_s is not None and not run.publish_period_s > 0:

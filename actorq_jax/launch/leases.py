@@ -9,6 +9,13 @@ own actor), and publishes every lease in the LEASES_TABLE, a size-1 table all
 actors read. The actor renews its lease while it runs and releases it at exit; a
 lease not renewed within its time to live expires (its holder died), and a
 restarted service learns the leases again from the next renewals.
+
+Renewals come from a thread of their own, which would keep renewing for an actor
+whose main loop hangs in a call that never returns (the thread runs whenever the
+stuck call releases the GIL). So the actor's main loop beats (`IdLease.beat`) on
+every step and in every bounded wait, and a lease whose beats stop for `hang_s`
+is given back, and the actor exits with EXIT_HUNG (its launcher restarts it; a
+hand-started one frees its id for a replacement).
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import secrets
 import socket
 import threading
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +36,9 @@ LEASES_TABLE = "leases"
 LEASE_TTL_S = 10.0
 # Renewals per time to live: a lease survives two lost renewals.
 RENEWALS_PER_TTL = 3
+# How long an actor's main loop may go without a beat by default (--actor_hang_s): far beyond its longest
+# legitimate silence (compiling its policy on a loaded machine), while every wait of its loop beats.
+ACTOR_HANG_S = 120.0
 REFUSALS_KEPT_S = 60.0
 
 
@@ -111,15 +121,24 @@ def read_leases(client: Any, timeout_s: int = 5) -> Dict[str, Any]:
 class IdLease:
     """An actor's lease on its id: acquire() before acting, renewed in the background, release() at exit."""
 
-    def __init__(self, address: str, actor_id: int, takeover: bool = False, ttl_s: float = LEASE_TTL_S):
+    def __init__(self, address: str, actor_id: int, takeover: bool = False, ttl_s: float = LEASE_TTL_S,
+                 hang_s: float = ACTOR_HANG_S, on_hang: Optional[Callable[[float], None]] = None):
         self.address = address
         self.actor_id = int(actor_id)
         self.takeover = takeover
         self.ttl_s = float(ttl_s)
+        self.hang_s = float(hang_s)
+        # Called from the renewal thread with the main loop's silence once it passed hang_s (default: exit).
+        self.on_hang = on_hang if on_hang is not None else exit_hung
         self.holder = f"{socket.gethostname()}:{os.getpid()}"
         self.token = secrets.token_hex(8)
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self._beat_at = time.monotonic()
+
+    def beat(self) -> None:
+        """Tells the lease the actor's main loop is making progress (cheap: call it on every step)."""
+        self._beat_at = time.monotonic()
 
     def _send(self, client: Any, release: bool = False) -> None:
         from actorq_jax.replay.messages import send_message
@@ -159,6 +178,7 @@ class IdLease:
                 continue
             lease = state["leases"].get(self.actor_id)
             if lease is not None and lease["token"] == self.token:
+                self._beat_at = time.monotonic()  # the main loop's silence counts from here
                 self._thread = threading.Thread(target=self._renew, name="IdLease", daemon=True)
                 self._thread.start()
                 return
@@ -173,7 +193,18 @@ class IdLease:
         import reverb
 
         client = reverb.Client(self.address)
-        while not self._stop.wait(self.ttl_s / RENEWALS_PER_TTL):
+        # Woken often enough to notice a hang within half of hang_s, whatever the time to live.
+        while not self._stop.wait(min(self.ttl_s / RENEWALS_PER_TTL, self.hang_s / 2)):
+            quiet = time.monotonic() - self._beat_at
+            if quiet > self.hang_s:
+                log.error("actor id %d: its main loop has made no progress for %.0f s (--actor_hang_s %g): it is "
+                          "hung; giving the id back and exiting", self.actor_id, quiet, self.hang_s)
+                try:
+                    self._send(client, release=True)
+                except (reverb.DeadlineExceededError, RuntimeError) as error:
+                    log.debug("lease release failed (it expires instead): %s", error)
+                self.on_hang(quiet)
+                return
             try:
                 self._send(client)
             except (reverb.DeadlineExceededError, RuntimeError) as error:
@@ -200,3 +231,17 @@ class IdLease:
             self._send(reverb.Client(self.address), release=True)
         except (reverb.DeadlineExceededError, RuntimeError) as error:
             log.debug("lease release failed (it expires instead): %s", error)
+
+
+def exit_hung(quiet_s: float) -> None:
+    """Ends this process at once with EXIT_HUNG: its main thread is stuck, so it cannot return to exit."""
+    import sys
+
+    from actorq_jax.launch.runtime import EXIT_HUNG
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or gone: nothing more to say there
+            pass
+    os._exit(EXIT_HUNG)

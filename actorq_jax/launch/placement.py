@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Protocol, Tuple
 
+from actorq_jax.launch import runtime
 from actorq_jax.net import LOOPBACK
 from actorq_jax.run_dir import RunDir
 
@@ -186,4 +187,8 @@ def ended(process: WorkerProcess) -> bool:
 def how_it_ended(process: WorkerProcess) -> str:
     """How a worker that is over ended: 'exit code N', or why its host was lost."""
     lost = getattr(process, "lost", None)
-    return str(lost) if lost else f"exit code {process.returncode}"
+    if lost:
+        return str(lost)
+    if process.returncode == runtime.EXIT_HUNG:
+        return f"exit code {process.returncode}: its main loop hung for --actor_hang_s"
+    return f"exit code {process.returncode}"

@@ -20,6 +20,8 @@ CONFIG_TABLE = "config"  # config.json as uint8, so remote actors run the same c
 EXIT_DIVERGED = 4
 # The replay service's exit code when its port was taken before it could bind it (the launcher may pick another).
 EXIT_PORT_TAKEN = 5
+# An actor's exit code when its own watchdog found its main loop stuck for --actor_hang_s (launch/leases.py).
+EXIT_HUNG = 6
 
 
 def thread_env(threads: int) -> Dict[str, str]:
