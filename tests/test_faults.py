@@ -323,3 +323,38 @@ def test_an_actor_stuck_in_a_call_that_releases_the_gil_exits_and_is_restarted(t
     log = (results / "logs" / "actor_0.log").read_text()
     assert "actor id 0: its main loop has made no progress for" in log and "giving the id back" in log, log[-3000:]
 
+
+@pytest.mark.process
+@pytest.mark.timeout(300)
+def test_an_actor_that_dies_while_the_learner_restarts_is_restarted_without_waiting_for_the_learner(tmp_path):
+    results = tmp_path / "run"
+    proc = start_run(results, *TINY, "--num_actors", "1", "--max_seconds", "250")
+    restarted = None
+    try:
+        launcher = psutil.Process(proc.pid)
+        wait_for(lambda: read_counters(results / "checkpoints"), 150, "a first checkpoint", proc)
+        worker_process(launcher, "learner").kill()
+        # The restarted learner is held (SIGSTOP) before it restores: the launcher waits for it to come back.
+        deadline = time.monotonic() + 60
+        while restarted is None and time.monotonic() < deadline:
+            restarted = worker_process(launcher, "learner", restart=1)
+            time.sleep(0.02)
+        assert restarted is not None, "the learner was not restarted"
+        restarted.suspend()
+        assert status(results).get("pid") != restarted.pid  # caught before it reported
+        worker_process(launcher, "actor", 0).kill()
+        wait_for(lambda: worker_process(launcher, "actor", 0, restart=1), 30, "actor 0's restart", proc)
+        restarted.resume()
+        wait_for(lambda: status(results).get("pid") == restarted.pid and status(results).get("phase") == "running",
+                 120, "the restarted learner", proc)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if restarted is not None and restarted.is_running():
+            restarted.resume()
+        stop_all(proc)
+    assert proc.returncode == 0, out[-3000:]
+    events = json.loads((results / "summary.json").read_text())["events"]
+    order = [next(i for i, e in enumerate(events) if e.startswith(prefix))
+             for prefix in ("learner died", "actor_0 died", "learner back at step")]
+    assert order == sorted(order), events

@@ -303,11 +303,14 @@ class Launcher:
         with progress_factory() as progress:
             return self._watch(replay, learner, progress, start)
 
-    def _wait_for(self, worker: Worker, key: str, quiet_exit: Optional[int] = None) -> Optional[Any]:
+    def _wait_for(self, worker: Worker, key: str, quiet_exit: Optional[int] = None,
+                  meanwhile: Optional[Callable[[], None]] = None) -> Optional[Any]:
         """Waits until `worker` (this incarnation) reports `key`; its value, or None if it died or timed out (said,
-        unless it exited with `quiet_exit`, which the caller handles)."""
+        unless it exited with `quiet_exit`, which the caller handles). `meanwhile` is called on every poll."""
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline and not self.stop.is_set():
+            if meanwhile is not None:
+                meanwhile()
             status = self.channel.read(worker.role)
             if status.get(key) and status.get("pid") == worker.process.pid:
                 return status[key]
@@ -329,7 +332,6 @@ class Launcher:
         seen_steps, seen_at = -1, time.monotonic()
         evals = EvalWatch(self.dir.eval_csv, run.stop_at_return, run.eval_episodes)
         actors = [w for w in self.workers if w.role == "actor"]
-        evaluator = next((w for w in self.workers if w.role == "evaluator"), None)
         while not self.stop.wait(0.25):
             self.cpu.sample(self.workers)
             if ended(replay.process) and not self._restart(replay, run.max_replay_restarts, "address"):
@@ -349,9 +351,7 @@ class Launcher:
                 return 0
             if learner_ended and not self._restart(learner, run.max_learner_restarts, "phase"):
                 return 1
-            self._watch_actor_leases(actors)
-            self._watch_evaluator(evaluator)
-            self._restart_actors()
+            self._tend_actors()
             env_steps = int(self.channel.read("replay").get("env_steps", 0))
             learner_steps = int(status.get("learner_steps", 0))
             elapsed = time.monotonic() - start
@@ -486,6 +486,17 @@ class Launcher:
                 w.process.wait()
                 w.lease_seen_at = None
 
+    def _tend_actors(self) -> None:
+        """The watch loop's care of the actors and the evaluator: silent ones killed, dead ones restarted."""
+        self._watch_actor_leases([w for w in self.workers if w.role == "actor"])
+        self._watch_evaluator(next((w for w in self.workers if w.role == "evaluator"), None))
+        self._restart_actors()
+
+    def _hear_service_and_tend_actors(self) -> None:
+        # Their watchdogs count a silence only while the service is heard, as the watch loop hears it.
+        self._hear_service()
+        self._tend_actors()
+
     def _restart_actors(self) -> None:
         """Restarts dead actors and the evaluator within their budget; gives up on those past it."""
         run = self.run
@@ -519,7 +530,9 @@ class Launcher:
         if worker.role == "replay":
             return self._restart_service(worker)
         self._start(worker)
-        if self._wait_for(worker, ready_key) is None:
+        # A restarted learner restores and compiles for tens of seconds on a loaded machine: the actors and the
+        # evaluator stay watched and restarted meanwhile, as in the watch loop.
+        if self._wait_for(worker, ready_key, meanwhile=self._hear_service_and_tend_actors) is None:
             return self.stop.is_set()  # a stop request during the restart is an ordinary stop
         restored = self.channel.read(worker.role).get("restored", {})
         self._say(f"learner back at step {restored.get('learner_steps', 0)} with {restored.get('items', 0)} "
