@@ -15,13 +15,14 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
+import reverb
 from launch_support import ENV, ROOT, TINY, first_seen, rows, start_run, status, stop_all, wait_for, worker_process
 from service_support import dqn_service_learner_actor
 
 from actorq_jax.launch.checkpoint import read_counters
 from actorq_jax.launch.config import RunConfig
 from actorq_jax.launch.flags import parse_run
-from actorq_jax.launch.runtime import role_cpus
+from actorq_jax.launch.runtime import EVAL_VARIABLES_TABLE, VARIABLES_TABLE, role_cpus
 from actorq_jax.replay.server import checkpoint_table_size
 
 
@@ -98,8 +99,6 @@ def test_service_answers_checkpoint_requests_and_refuses_bad_ones(tmp_path):
 def test_a_checkpoint_request_outlasts_a_busy_server_and_allows_for_the_tables_size(tmp_path, monkeypatch):
     # A large table's checkpoint holds the server up: a look at the replies table can miss its few seconds
     # (Reverb's DeadlineExceededError) while the checkpoint is being written. Here the first looks miss.
-    import reverb
-
     from actorq_jax.launch.replay_service import CHECKPOINT_S_PER_ITEM, REPLIES_TABLE, ServiceClient, ServiceError
     from actorq_jax.replay import messages
 
@@ -381,9 +380,18 @@ def test_killed_service_comes_back_on_its_port_with_its_items_and_nobody_else_re
         learner = worker_process(launcher, "learner")
         actors = [worker_process(launcher, "actor", i) for i in range(2)]
         service = status(results, "replay")
-        os.kill(service["pid"], signal.SIGKILL)
-        back = wait_for(lambda: status(results, "replay").get("pid") not in (None, service["pid"])
-                        and status(results, "replay"), 120, "the restarted service", proc)
+        # Held while the service is down and comes back (its silence does not count meanwhile): it publishes
+        # nothing into the restored tables before this test reads them.
+        learner.suspend()
+        try:
+            os.kill(service["pid"], signal.SIGKILL)
+            back = wait_for(lambda: status(results, "replay").get("pid") not in (None, service["pid"])
+                            and status(results, "replay"), 120, "the restarted service", proc)
+            # The checkpoint's policies, older than the learner's last publications, are not served.
+            tables = reverb.Client(back["local_address"]).server_info(timeout=10)
+            assert [tables[t].current_size for t in (VARIABLES_TABLE, EVAL_VARIABLES_TABLE)] == [0, 0]
+        finally:
+            learner.resume()
         assert back["local_address"] == service["local_address"]
         # The run's env-step count goes on from where it was (the items since the checkpoint are lost, not the steps).
         assert back["env_steps"] >= service["env_steps"]
@@ -409,6 +417,14 @@ def test_killed_service_comes_back_on_its_port_with_its_items_and_nobody_else_re
     # A checkpoint asked of the killed service (if one was pending) was given up when the new one reported,
     # not after the request's 60 s timeout, which would have held SGD and, through the limiter, the actors.
     assert "did not write one in time" not in (results / "logs" / "learner.log").read_text()
+    # The restored tables held the policy of the checkpoint's time, older than what the live learner had
+    # published: nobody went back to it (each actor's policy versions, the evaluations' learner steps).
+    evaluated = [r["learner_steps"] for r in rows(results / "eval.csv")]
+    assert evaluated == sorted(evaluated), evaluated
+    for i in range(2):
+        episodes = rows(results / "actors" / f"actor_{i}.csv")
+        versions = [r["params_version"] for r in episodes]
+        assert versions == sorted(versions), (i, versions)
 
 
 # The launcher's run, with the dead service's port taken (by this wrapper, standing for another process) just

@@ -179,7 +179,11 @@ class ReplayService:
         # the rows first, and a request is answered after its checkpoint is written).
         # Leases are learned again from the actors' next renewals.
         # Acknowledgements are rebuilt from the rows in actors/ (RowDrain reads them back).
-        for table in (ACTOR_ROWS_TABLE, ROWS_WRITTEN_TABLE, REQUESTS_TABLE, REPLIES_TABLE, LEASE_REQUESTS, LEASES_TABLE):
+        # The policies are the checkpoint's, older than what the learner has published since: actors would step
+        # back to them and the evaluator would evaluate them again. The learner publishes both when it starts
+        # (a restart, a --resume) and a live one within its publication periods; until then actors keep theirs.
+        for table in (ACTOR_ROWS_TABLE, ROWS_WRITTEN_TABLE, REQUESTS_TABLE, REPLIES_TABLE, LEASE_REQUESTS, LEASES_TABLE,
+                      runtime.VARIABLES_TABLE, runtime.EVAL_VARIABLES_TABLE):
             self.client.reset(table)
         runtime.publish_config(self.client, config_json)
         # Status reports: files locally, this server's status tables under Ray.
