@@ -326,7 +326,7 @@ def test_an_actor_stuck_in_a_call_that_releases_the_gil_exits_and_is_restarted(t
 
 @pytest.mark.process
 @pytest.mark.timeout(300)
-def test_an_actor_that_dies_while_the_learner_restarts_is_restarted_without_waiting_for_the_learner(tmp_path):
+def test_an_actor_and_the_service_that_die_while_the_learner_restarts_are_restarted_without_waiting_for_it(tmp_path):
     results = tmp_path / "run"
     proc = start_run(results, *TINY, "--num_actors", "1", "--max_seconds", "250")
     restarted = None
@@ -344,9 +344,21 @@ def test_an_actor_that_dies_while_the_learner_restarts_is_restarted_without_wait
         assert status(results).get("pid") != restarted.pid  # caught before it reported
         worker_process(launcher, "actor", 0).kill()
         wait_for(lambda: worker_process(launcher, "actor", 0, restart=1), 30, "actor 0's restart", proc)
+        # The service too (the held learner waits for it: before, the launcher waited for the learner, which
+        # never came, and stopped the run after its start timeout).
+        service = status(results, "replay")["pid"]
+        os.kill(service, signal.SIGKILL)
+        wait_for(lambda: status(results, "replay").get("pid") not in (None, service)
+                 and status(results, "replay").get("phase") == "running", 60, "the service's restart", proc)
         restarted.resume()
-        wait_for(lambda: status(results).get("pid") == restarted.pid and status(results).get("phase") == "running",
-                 120, "the restarted learner", proc)
+
+        def trains_again() -> bool:
+            report = status(results)
+            return (report.get("pid") == restarted.pid and report.get("phase") == "running"
+                    and report.get("learner_steps", 0) >= report.get("restored", {}).get("learner_steps", 0) + 20)
+
+        # SGD steps past the restore: the launcher has long seen it back (a stop during the wait would end it).
+        wait_for(trains_again, 120, "the restarted learner's SGD steps", proc)
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=120)
     finally:
@@ -354,7 +366,10 @@ def test_an_actor_that_dies_while_the_learner_restarts_is_restarted_without_wait
             restarted.resume()
         stop_all(proc)
     assert proc.returncode == 0, out[-3000:]
-    events = json.loads((results / "summary.json").read_text())["events"]
+    summary = json.loads((results / "summary.json").read_text())
+    events = summary["events"]
     order = [next(i for i, e in enumerate(events) if e.startswith(prefix))
-             for prefix in ("learner died", "actor_0 died", "learner back at step")]
+             for prefix in ("learner died", "actor_0 died", "replay died", "replay service back on port",
+                            "learner back at step")]
     assert order == sorted(order), events
+    assert summary["learner_restarts"] == 1 and summary["replay_restarts"] == 1

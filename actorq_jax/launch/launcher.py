@@ -304,13 +304,14 @@ class Launcher:
             return self._watch(replay, learner, progress, start)
 
     def _wait_for(self, worker: Worker, key: str, quiet_exit: Optional[int] = None,
-                  meanwhile: Optional[Callable[[], None]] = None) -> Optional[Any]:
+                  meanwhile: Optional[Callable[[], bool]] = None) -> Optional[Any]:
         """Waits until `worker` (this incarnation) reports `key`; its value, or None if it died or timed out (said,
-        unless it exited with `quiet_exit`, which the caller handles). `meanwhile` is called on every poll."""
+        unless it exited with `quiet_exit`, which the caller handles). `meanwhile` is called on every poll; when it
+        returns False the wait ends with None (it said why)."""
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline and not self.stop.is_set():
-            if meanwhile is not None:
-                meanwhile()
+            if meanwhile is not None and not meanwhile():
+                return None
             status = self.channel.read(worker.role)
             if status.get(key) and status.get("pid") == worker.process.pid:
                 return status[key]
@@ -492,10 +493,15 @@ class Launcher:
         self._watch_evaluator(next((w for w in self.workers if w.role == "evaluator"), None))
         self._restart_actors()
 
-    def _hear_service_and_tend_actors(self) -> None:
-        # Their watchdogs count a silence only while the service is heard, as the watch loop hears it.
-        self._hear_service()
+    def _tend_others_than_the_learner(self) -> bool:
+        """The watch loop's care of every worker but the learner; False when the replay service could not be
+        restarted (said)."""
+        replay = next(w for w in self.workers if w.role == "replay")
+        if ended(replay.process) and not self._restart(replay, self.run.max_replay_restarts, "address"):
+            return False
+        self._watch_service(replay)  # also hears it: the others' watchdogs count a silence only while it is heard
         self._tend_actors()
+        return True
 
     def _restart_actors(self) -> None:
         """Restarts dead actors and the evaluator within their budget; gives up on those past it."""
@@ -530,9 +536,10 @@ class Launcher:
         if worker.role == "replay":
             return self._restart_service(worker)
         self._start(worker)
-        # A restarted learner restores and compiles for tens of seconds on a loaded machine: the actors and the
-        # evaluator stay watched and restarted meanwhile, as in the watch loop.
-        if self._wait_for(worker, ready_key, meanwhile=self._hear_service_and_tend_actors) is None:
+        # A restarted learner restores and compiles for tens of seconds on a loaded machine, and waits for the
+        # replay service: the service, the actors and the evaluator stay watched and restarted meanwhile, as in
+        # the watch loop.
+        if self._wait_for(worker, ready_key, meanwhile=self._tend_others_than_the_learner) is None:
             return self.stop.is_set()  # a stop request during the restart is an ordinary stop
         restored = self.channel.read(worker.role).get("restored", {})
         self._say(f"learner back at step {restored.get('learner_steps', 0)} with {restored.get('items', 0)} "
