@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from launch_support import ENV, stop_all, wait_for
 
+from actorq_jax.launch.run_rows import drop_rows_after
 from actorq_jax.launch.runtime import free_port
 from actorq_jax.run_dir import RunDir
 from actorq_jax.telemetry import ACTOR_FIELDS, EVAL_FIELDS, CsvLogger
@@ -68,7 +69,25 @@ def test_a_follower_waits_for_whole_lines_and_rereads_a_rewritten_file(tmp_path:
         f.write("25\n")
     assert follower.new_rows() == [{"learner_steps": 20.0, "loss": 0.25}]
     path.write_text("learner_steps,loss\n10,0.5\n")  # a restored learner dropped the rows past its checkpoint
-    assert follower.new_rows() == [{"learner_steps": 10.0, "loss": 0.5}]
+    assert follower.new_rows() == [{"learner_steps": 10.0, "loss": 0.5}] and follower.rewritten
+    assert follower.new_rows() == [] and not follower.rewritten
+
+
+def test_a_follower_rereads_a_file_rewritten_and_grown_past_its_offset_before_it_looked(tmp_path: Path) -> None:
+    path = tmp_path / "eval.csv"
+    with CsvLogger(path, ["learner_steps", "return"], flush_every_s=0) as log:
+        for step in (50, 100, 150):
+            log.write({"learner_steps": step, "return": 1.0})
+    follower = CsvFollower(path)
+    assert [r["learner_steps"] for r in follower.new_rows()] == [50, 100, 150]
+    # A restored learner's evaluations: the rows past step 50 dropped (into a new file), then longer rows
+    # appended, all between two looks.
+    drop_rows_after(path, 50)
+    with CsvLogger(path, ["learner_steps", "return"], flush_every_s=0) as log:
+        for step in (100, 150):
+            log.write({"learner_steps": step, "return": 123.25})
+    assert [(r["learner_steps"], r["return"]) for r in follower.new_rows()] == [(50, 1.0), (100, 123.25), (150, 123.25)]
+    assert follower.rewritten
 
 
 @pytest.mark.process

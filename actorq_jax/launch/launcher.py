@@ -755,19 +755,14 @@ class EvalWatch:
         self.episodes = episodes
         self.reach: Optional[Any] = None  # the TargetReach once an evaluation reached the target
         self._follower = CsvFollower(path)
-        self._size = 0
         self._fp32: List[Dict[str, Any]] = []
 
     def poll(self) -> None:
         """Takes in the rows evaluated since the last poll."""
-        try:
-            size = self.path.stat().st_size
-        except FileNotFoundError:
-            return
-        if size < self._size:  # rewritten: the follower starts over from its first row
+        rows = self._follower.new_rows()
+        if self._follower.rewritten:  # a restored learner's evaluations replaced the lost timeline's: from the start
             self._fp32 = []
-        self._size = size
-        fresh = [r for r in self._follower.new_rows() if r.get("policy") == "fp32"]
+        fresh = [r for r in rows if r.get("policy") == "fp32"]
         if not fresh:
             return
         self._fp32.extend(fresh)

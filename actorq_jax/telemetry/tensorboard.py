@@ -76,15 +76,23 @@ class CsvFollower:
         self.path = path
         self._offset = 0
         self._header: Optional[List[str]] = None
+        self._inode: Optional[int] = None
+        self.rewritten = False  # whether the last call started over (its rows are the file's from the start)
 
     def new_rows(self) -> List[Dict[str, Any]]:
-        """Rows finished since the last call; after the file was rewritten shorter, its rows from the start."""
+        """Rows finished since the last call; after the file was rewritten, its rows from the start."""
+        self.rewritten = False
         try:
-            size = self.path.stat().st_size
+            stat = self.path.stat()
         except FileNotFoundError:
             return []
-        if size < self._offset:  # rewritten (a learner restored from a checkpoint drops the rows past it)
+        size = stat.st_size
+        # Rewritten: a learner or evaluator restored from a checkpoint drops the rows past it into a new file
+        # (run_rows.drop_rows_after), which may have grown past our offset again by the time we look.
+        self.rewritten = self._inode is not None and (stat.st_ino != self._inode or size < self._offset)
+        if self.rewritten:
             self._offset, self._header = 0, None
+        self._inode = stat.st_ino
         with open(self.path, "rb") as f:
             f.seek(self._offset)
             data = f.read(size - self._offset)
