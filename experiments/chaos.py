@@ -12,8 +12,8 @@ whole run and resumes it with --resume, once it inserts malformed payloads into 
 (again and again for MALFORMED_BURST_S: the learner's next publication replaces each within a fraction
 of a second, so one alone could be gone before any actor refreshed).
 Then it runs an undisturbed run of the same number of learner steps and checks: every actor CSV row
-well-formed; learner steps and env steps monotonic across the whole run (learner.csv and the summary of
-each launch); no process left; the paused service held everyone; no live process was killed as hung
+well-formed; learner steps and env steps monotonic across the whole run (learner.csv, eval.csv and the
+summary of each launch); no process left; the paused service held everyone; no live process was killed as hung
 (every fault kills, or pauses for less than any watchdog allows); the duplicate id refused; no non-finite
 parameter published (no actor rejected more payloads than the malformed ones injected, no launch ended
 diverged); an actor rejected a malformed payload; the chaos run's final evaluation return within the
@@ -349,11 +349,15 @@ def check(soak: Soak, disturbed: Dict[str, Any], reference_dir: Path) -> List[tu
     steps = [r["learner_steps"] for r in learner]
     env_steps = [r["env_steps"] for r in learner]
     summaries = disturbed["summaries"]
+    # eval.csv too: a restored learner's evaluations replace the lost timeline's (launch/run_rows.py).
+    evaluated = [r["learner_steps"] for r in read_csv(RunDir(soak.results).eval_csv)]
     ok = (_monotonic(steps, strict=True) and _monotonic(env_steps, strict=False)
+          and _monotonic(evaluated, strict=False)
           and _monotonic([s["learner_steps"] for s in summaries], strict=False)
           and _monotonic([s["env_steps"] for s in summaries], strict=False))
     results.append(("learner and env steps monotonic", ok,
-                    f"learner.csv {len(steps)} rows up to step {steps[-1] if steps else 0}; per launch: "
+                    f"learner.csv {len(steps)} rows up to step {steps[-1] if steps else 0}; eval.csv "
+                    f"{len(evaluated)} rows; per launch: "
                     + ", ".join(f"{s['learner_steps']}/{s['env_steps']}" for s in summaries)))
     import psutil
 

@@ -58,6 +58,9 @@ def _assert_counters_never_go_backwards(results) -> None:
         actor = rows(path)
         assert all(set(r) and None not in r.values() for r in actor), f"malformed row in {path}"
         assert _monotonic([r["env_steps"] for r in actor], strict=True), path
+    # Evaluations follow the learner's surviving timeline too (a restore drops those past its step).
+    evaluated = [r["learner_steps"] for r in rows(results / "eval.csv")]
+    assert evaluated and _monotonic(evaluated), evaluated
 
 
 def _replay_items(results, checkpoint: str) -> int:

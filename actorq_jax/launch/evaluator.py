@@ -148,7 +148,7 @@ def wait_for_final_publication(channel: RunChannel, launcher_alive: Callable[[],
 def run_evaluator(run: Any, agent_config: Any, address: str, stop: threading.Event,
                   launcher_alive: Callable[[], bool] = lambda: True) -> None:
     """Evaluates every new float policy the learner publishes, and once more at shutdown."""
-    from actorq_jax.launch.run_rows import row_log
+    from actorq_jax.launch.run_rows import EvaluationLog
     from actorq_jax.replay.server import StopRequested
     from actorq_jax.telemetry import EVAL_FIELDS
 
@@ -161,7 +161,7 @@ def run_evaluator(run: Any, agent_config: Any, address: str, stop: threading.Eve
     forward_to = address if run.launcher == "ray" else None
     # The launcher kills an evaluator that is alive but stops reporting (stopped, hung) and starts another.
     beat = Heartbeat(evaluator.channel, tuple(name for name, _, _ in evaluator.policies))
-    with row_log(RunDir(evaluator.results_dir).eval_csv, EVAL_FIELDS, forward_to) as logger:
+    with EvaluationLog(RunDir(evaluator.results_dir).eval_csv, EVAL_FIELDS, forward_to) as logger:
         while True:
             final = stop.is_set()
             if not final:

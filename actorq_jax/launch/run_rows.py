@@ -7,13 +7,17 @@ the file, its columns, the row). The launcher's process, which owns the real
 results directory, drains that table (`RunRowDrain`) and appends each row to
 its file. A learner restored from a checkpoint logs steps again: the drain then
 drops the rows past the restored step first, as a local learner trims its own
-file (`drop_rows_after`). Actors' rows take the road of launch/actor_rows.py,
-which writes each exactly once.
+file (`drop_rows_after`). Its evaluations start again from the restored step too:
+an evaluation behind the newest one written drops those from its step on, in the
+evaluator's own file (`EvaluationLog`) and in the drain alike, so eval.csv follows
+the learner's surviving timeline as learner.csv does. Actors' rows take the road
+of launch/actor_rows.py, which writes each exactly once.
 """
 
 import collections
 import csv
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence
@@ -125,6 +129,46 @@ def row_log(path: Path, fields: Sequence[str], forward_to: Optional[str] = None,
     return logger if forward_to is None else ForwardedCsv(logger, RowSender(forward_to, Path(path).name, fields))
 
 
+def newest_step(path: Path) -> int:
+    """The highest learner_steps among a CSV's rows (-1: none)."""
+    steps = (r.get("learner_steps") for r in _read_rows(path))
+    return max((int(s) for s in steps if isinstance(s, (int, float)) and math.isfinite(s)), default=-1)
+
+
+class EvaluationLog:
+    """eval.csv as the evaluator writes it (a row_log): an evaluation behind the newest one written comes from a
+    learner restored from an older checkpoint, so the rows from its step on, a lost timeline's, go first."""
+
+    def __init__(self, path: Path, fields: Sequence[str], forward_to: Optional[str] = None):
+        self.path, self.fields, self.forward_to = Path(path), list(fields), forward_to
+        self.newest = newest_step(self.path)
+        self.logger = row_log(self.path, self.fields, forward_to)
+
+    def write(self, row: Mapping[str, Any]) -> None:
+        """Appends `row` (after dropping the rows it replaces)."""
+        step = int(row["learner_steps"])
+        if step < self.newest:
+            self.logger.close()
+            drop_rows_after(self.path, step - 1)
+            self.logger = row_log(self.path, self.fields, self.forward_to)
+        self.newest = step
+        self.logger.write(row)
+
+    def flush(self) -> None:
+        """Flushes the file (and sends what waits)."""
+        self.logger.flush()
+
+    def close(self) -> None:
+        """Closes the file (and sends what waits)."""
+        self.logger.close()
+
+    def __enter__(self) -> "EvaluationLog":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
 class RunRowDrain:
     """The launcher's side: appends the rows waiting in RUN_ROWS_TABLE to their files under `results_dir`."""
 
@@ -133,6 +177,7 @@ class RunRowDrain:
         self._dir = Path(results_dir)
         self._loggers: Dict[str, Any] = {}
         self._last_step: Optional[int] = None
+        self._last_evaluated: Optional[int] = None
         self.rejected = 0
 
     def drain(self, timeout_s: int = 5) -> int:
@@ -149,6 +194,8 @@ class RunRowDrain:
                 continue
             if file == RunDir.LEARNER_CSV:
                 self._continue_learner(int(row.get("learner_steps", 0)))
+            if file == RunDir.EVAL_CSV:
+                self._continue_evaluations(int(row.get("learner_steps", 0)))
             self._logger(file, fields).write(row)
             written += 1
         return written
@@ -173,6 +220,18 @@ class RunRowDrain:
                 logger.close()
             drop_rows_after(path, step - 1)
         self._last_step = step
+
+    def _continue_evaluations(self, step: int) -> None:
+        """Before an evaluation row at `step`: one behind the newest means a restored learner (EvaluationLog)."""
+        path = self._dir / RunDir.EVAL_CSV
+        if self._last_evaluated is None:
+            self._last_evaluated = newest_step(path)
+        if step < self._last_evaluated:
+            logger = self._loggers.pop(RunDir.EVAL_CSV, None)
+            if logger is not None:
+                logger.close()
+            drop_rows_after(path, step - 1)
+        self._last_evaluated = step
 
     def _logger(self, file: str, fields: List[str]) -> Any:
         from actorq_jax.telemetry.csv_logger import open_run_csv
