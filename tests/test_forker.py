@@ -150,10 +150,11 @@ _GRPC_THREADS = """
 import gc, json
 import reverb
 from actorq_jax.launch.forker import can_fork_here
+from actorq_jax.replay import ReplayServer
 from actorq_jax.replay.messages import make_message_table
 before = can_fork_here()
-server = reverb.Server([make_message_table("inbox")])
-client = reverb.Client(f"127.0.0.1:{server.port}")
+server = ReplayServer([make_message_table("inbox")])  # not Reverb's bare Server, whose checkpoint folder stays behind
+client = reverb.Client(server.local_address)
 client.server_info(timeout=5)
 during = can_fork_here()
 server.stop()
