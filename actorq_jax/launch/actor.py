@@ -204,7 +204,7 @@ class Actor:
         # The server has not confirmed anything since the write that timed out began.
         silent_since = time.monotonic() - ((adder.timeout_s or 0.0) if wait_for_writes else 0.0)
         while wait_for_writes and not self.stop.is_set() and self.link.reachable():
-            self.beat()  # held by the rate limiter: the learner is busy, this loop is not hung
+            self.beat()  # a wait, not a hang
             try:
                 adder.wait(WAIT_SLICE_S)  # the rate limiter holds our items: the learner is busy, not gone
                 return True

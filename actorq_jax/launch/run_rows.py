@@ -176,8 +176,7 @@ class RunRowDrain:
         self._client = client
         self._dir = Path(results_dir)
         self._loggers: Dict[str, Any] = {}
-        self._last_step: Optional[int] = None
-        self._last_evaluated: Optional[int] = None
+        self._newest: Dict[str, int] = {}  # per file, the learner step of the last row written
         self.rejected = 0
 
     def drain(self, timeout_s: int = 5) -> int:
@@ -192,10 +191,7 @@ class RunRowDrain:
                 self.rejected += 1
                 log.warning("dropped a malformed %s row (%d so far)", file, self.rejected)
                 continue
-            if file == RunDir.LEARNER_CSV:
-                self._continue_learner(int(row.get("learner_steps", 0)))
-            if file == RunDir.EVAL_CSV:
-                self._continue_evaluations(int(row.get("learner_steps", 0)))
+            self._continue(file, int(row.get("learner_steps", 0)))
             self._logger(file, fields).write(row)
             written += 1
         return written
@@ -208,30 +204,19 @@ class RunRowDrain:
             log.warning("dropped undecodable rows: %s", error)
             return []
 
-    def _continue_learner(self, step: int) -> None:
-        """Before a learner row at `step`: a step not past the last one means a restore, so rows past it go."""
-        path = self._dir / RunDir.LEARNER_CSV
-        if self._last_step is None:
-            rows = _read_rows(path)
-            self._last_step = int(rows[-1]["learner_steps"]) if rows else -1
-        if step <= self._last_step:
-            logger = self._loggers.pop(RunDir.LEARNER_CSV, None)
+    def _continue(self, file: str, step: int) -> None:
+        """Before a row of `file` at `step`: a learner row not past the newest, or an evaluation behind it, means a
+        restored learner, so the rows from `step` on (a lost timeline's) go first (EvaluationLog)."""
+        path = self._dir / file
+        newest = self._newest.get(file)
+        if newest is None:
+            newest = newest_step(path)
+        if step < newest or (file == RunDir.LEARNER_CSV and step == newest):
+            logger = self._loggers.pop(file, None)
             if logger is not None:
                 logger.close()
             drop_rows_after(path, step - 1)
-        self._last_step = step
-
-    def _continue_evaluations(self, step: int) -> None:
-        """Before an evaluation row at `step`: one behind the newest means a restored learner (EvaluationLog)."""
-        path = self._dir / RunDir.EVAL_CSV
-        if self._last_evaluated is None:
-            self._last_evaluated = newest_step(path)
-        if step < self._last_evaluated:
-            logger = self._loggers.pop(RunDir.EVAL_CSV, None)
-            if logger is not None:
-                logger.close()
-            drop_rows_after(path, step - 1)
-        self._last_evaluated = step
+        self._newest[file] = step
 
     def _logger(self, file: str, fields: List[str]) -> Any:
         from actorq_jax.telemetry.csv_logger import open_run_csv
