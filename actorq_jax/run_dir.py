@@ -9,8 +9,14 @@ through this class, so a rename happens here and nowhere else. It imports
 nothing heavy: analysis code and flag parsing use it without JAX or Reverb.
 """
 
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import time
 from pathlib import Path
-from typing import ClassVar, List, Union
+from typing import ClassVar, Iterator, List, Union
 
 # The event a run's summary holds when a stop request (a signal), not a budget, ended it.
 STOP_EVENT = "stop requested"
@@ -120,3 +126,45 @@ class RunDir:
     def tensorboard(self) -> Path:
         """tensorboard/: event files of the learner, the evaluator and each actor (one folder each)."""
         return self.root / self.TENSORBOARD
+
+
+class ResultsDirInUse(RuntimeError):
+    """Another launcher's run holds the results directory."""
+
+
+# A launcher that has just ended may leave its last workers a moment to exit (they hold the claim it took).
+CLAIM_WAIT_S = 5.0
+
+
+@contextlib.contextmanager
+def claimed(root: Union[str, Path], wait_s: float = CLAIM_WAIT_S) -> Iterator[None]:
+    """Holds `root` for one launcher's run: ResultsDirInUse when another run's processes hold it past `wait_s`."""
+    # An exclusive flock on the directory itself: nothing is left in it, and the kernel lets go when the last
+    # process holding it ends, a SIGKILLed launcher included. Workers forked from the launcher hold it too,
+    # so a resume also waits for a run whose launcher died before its workers did.
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as error:
+                if error.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    break  # a file system without flock (some network mounts): the run goes unguarded
+                if time.monotonic() >= deadline:
+                    raise ResultsDirInUse(_in_use(RunDir(root))) from None
+                time.sleep(0.1)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _in_use(run: RunDir) -> str:
+    try:
+        pid = json.loads(run.status_file("launcher").read_text()).get("pid")
+    except (OSError, ValueError, AttributeError):
+        pid = None
+    who = f"its launcher, pid {pid}," if pid else "its launcher"
+    return (f"{run.root} is in use: the run there is still going ({who} or one of its workers is alive); stop it "
+            f"first (Ctrl-C or SIGTERM to its launcher), or pick another results directory")

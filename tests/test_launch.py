@@ -173,6 +173,33 @@ def test_killed_actor_is_restarted_then_sigterm_stops_the_run_cleanly_without_or
     assert {r["env_index"] for r in rows[episodes:]} == {0, 1}  # both environments of the new incarnation finish episodes
 
 
+@pytest.mark.process
+@pytest.mark.timeout(300)
+def test_a_second_launcher_on_a_running_runs_directory_is_refused_and_changes_nothing(tmp_path):
+    results = tmp_path / "run"
+    proc = start_run(results, *TINY, "--num_actors", "1", "--max_seconds", "250", "--tensorboard", "false")
+    try:
+        _started(results, proc)
+        config, launcher_status = (results / "config.json").read_bytes(), status(results, "launcher")
+        # A resume of the running run, and a new run given its directory, both while it goes on.
+        second = [subprocess.Popen([sys.executable, "experiments/run_d4pg.py", *flags], cwd=ROOT, env=ENV,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                  for flags in (["--resume", str(results), "--max_seconds", "30"],
+                                [*TINY, "--results_dir", str(results), "--max_seconds", "30"])]
+        (resume_out, resume_err), (new_out, new_err) = (p.communicate(timeout=120) for p in second)
+        assert second[0].returncode == 2, resume_out[-2000:] + resume_err[-2000:]
+        assert f"--resume: {results} is in use" in resume_err and f"pid {proc.pid}" in resume_err, resume_err[-2000:]
+        assert second[1].returncode == 2, new_out[-2000:] + new_err[-2000:]
+        assert "--results_dir" in new_err and ("already holds a run" in new_err or "is in use" in new_err), new_err
+        assert (results / "config.json").read_bytes() == config  # not rewritten (a new port, a new resume flag)
+        assert status(results, "launcher") == launcher_status and proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=200)
+    finally:
+        stop_all(proc)
+    assert proc.returncode == 0, out[-3000:]  # the run itself went on undisturbed (resumes after an end: above)
+
+
 @pytest.mark.slow
 @pytest.mark.process
 @pytest.mark.timeout(300)

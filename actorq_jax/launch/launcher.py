@@ -17,6 +17,7 @@ The service's port is in config.json (picked here when `run.port` is 0): `--resu
 remote actors already look, and fails clearly when something else holds it.
 """
 
+import contextlib
 import dataclasses
 import importlib
 import json
@@ -828,9 +829,24 @@ def _import_summary_modules() -> None:
 def run_experiment(agent: str, argv: Optional[List[str]], description: Optional[str] = None) -> int:
     """Entry point of the run scripts: parses flags, runs, prints the summary; returns the exit code."""
     from actorq_jax.launch.flags import parse_run
+    from actorq_jax.run_dir import ResultsDirInUse, claimed
 
     run, agent_config = parse_run(agent, argv, description=description)
-    summary = launch(run, agent_config)
+    flag = "--resume" if run.resume else "--results_dir"
+    Path(run.results_dir).mkdir(parents=True, exist_ok=True)
+    with contextlib.ExitStack() as held:
+        try:
+            # One launcher per results directory: a second one (a --resume of a run still going, two new runs
+            # given one directory) would rewrite the first's config, status and files under it.
+            held.enter_context(claimed(run.results_dir))
+        except ResultsDirInUse as error:
+            print(f"{Path(sys.argv[0]).name}: error: {flag}: {error}", file=sys.stderr)
+            return 2
+        if not run.resume and RunDir(run.results_dir).config.exists():  # a run started there since the flags' check
+            print(f"{Path(sys.argv[0]).name}: error: {flag}: {run.results_dir} already holds a run; pick another "
+                  f"or use --resume {run.results_dir}", file=sys.stderr)
+            return 2
+        summary = launch(run, agent_config)
     print(json.dumps({k: v for k, v in summary.items() if k != "events"}, indent=2))
     print(f"results: {run.results_dir}")
     return int(summary["exit_code"])
