@@ -60,6 +60,36 @@ def test_a_resumed_run_may_change_its_step_sizes_and_nothing_else(tmp_path, caps
         assert named in message and "Traceback" not in message, message
 
 
+def test_a_run_resumed_where_its_cores_are_missing_is_refused_by_name_and_may_be_placed_anew(tmp_path, capsys):
+    import dataclasses
+    import os
+
+    from actorq_jax.launch.config import save_config
+    from actorq_jax.launch.runtime import apply_cpu_affinity
+
+    # Pinned on a bigger machine: core 4095 is not one this process may use.
+    results = tmp_path / "run"
+    run, agent = parse_run("d4pg", [*TINY, "--results_dir", str(results)])
+    results.mkdir()
+    save_config(results / "config.json", dataclasses.replace(run, learner_cpus="4095", actor_cpus="0"), agent)
+    with pytest.raises(SystemExit) as exit_info:
+        parse_run("d4pg", ["--resume", str(results)])
+    message = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "--learner_cpus: core(s) [4095] are not available" in message, message
+    assert "a resume may give --learner_cpus anew" in message and "Traceback" not in message
+    # Where the roles run is not part of the run: a resume may move them, and nothing else changes.
+    core = str(min(os.sched_getaffinity(0)))
+    moved, same = parse_run("d4pg", ["--resume", str(results), "--learner_cpus", core, "--layout", "shared"])
+    assert (moved.learner_cpus, moved.actor_cpus, moved.layout) == (core, "0", "shared") and same == agent
+    assert dataclasses.replace(moved, learner_cpus=run.learner_cpus, actor_cpus=run.actor_cpus, resume=False,
+                               results_dir=run.results_dir) == run
+    # A worker given such a config (a cgroup that shrank after the check) says so by flag, without a traceback.
+    before = os.sched_getaffinity(0)
+    with pytest.raises(ValueError, match=r"cannot pin the learner to cores \[4095\] \(--learner_cpus or --layout\)"):
+        apply_cpu_affinity("learner", dataclasses.replace(run, learner_cpus="4095"))
+    assert os.sched_getaffinity(0) == before
+
+
 def test_a_resumed_run_goes_on_in_the_directory_it_is_resumed_from(tmp_path, monkeypatch):
     from actorq_jax.launch.config import save_config
 

@@ -12,7 +12,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 from actorq_jax.agents.registry import get_agent
 from actorq_jax.config import add_config_flags, flag_fields
@@ -32,8 +32,8 @@ def build_parser(agent: str, description: Optional[str] = None) -> argparse.Argu
     add_config_flags(run, RunConfig, skip=_SPECIAL_RUN_FIELDS)
     run.set_defaults(task=entry.default_task, results_dir=None)
     run.add_argument("--resume", default=None, metavar="RESULTS_DIR",
-                     help="continue the run in RESULTS_DIR from its last checkpoint (budget flags may be raised, "
-                          "*_learning_rate flags changed)")
+                     help="continue the run in RESULTS_DIR from its last checkpoint (budget flags may be raised, roles placed "
+                          "anew with --layout and --*_cpus, *_learning_rate flags changed)")
     add_config_flags(parser.add_argument_group(f"{agent} hyper-parameters"), entry.config_class)
     return parser
 
@@ -57,12 +57,8 @@ def parse_run(agent: str, argv: Optional[Sequence[str]], description: Optional[s
 
     for flag, message in ray_flag_problems(probe):
         parser.error(f"--{flag}: {message}")
-    for name in CPU_FLAGS:
-        problem = cpu_list_problem(values[name])
-        if problem:
-            parser.error(f"--{name}: {problem}")
-    if values["layout"] == "pinned" and len(os.sched_getaffinity(0)) < 2:
-        parser.error(f"--layout: pinned needs at least 2 cores; this process has {len(os.sched_getaffinity(0))}")
+    for flag, message in placement_problems(probe):
+        parser.error(f"--{flag}: {message}")
     from actorq_jax.environments import available_tasks
 
     tasks = available_tasks()
@@ -88,6 +84,14 @@ def parse_run(agent: str, argv: Optional[Sequence[str]], description: Optional[s
         field = str(error).split(" ", 1)[0].rpartition(".")[2]
         parser.error(f"--{field}: {error}" if field in agent_values else str(error))
     return RunConfig(**values), agent_config
+
+
+def placement_problems(run: Any) -> List[Tuple[str, str]]:
+    """(flag, why) for each core placement this machine cannot give: cores it lacks, a pinned layout on one core."""
+    problems = [(name, problem) for name in CPU_FLAGS for problem in [cpu_list_problem(getattr(run, name))] if problem]
+    if run.layout == "pinned" and len(os.sched_getaffinity(0)) < 2:
+        problems.append(("layout", f"pinned needs at least 2 cores; this process has {len(os.sched_getaffinity(0))}"))
+    return problems
 
 
 def country_problem(country: str) -> Optional[str]:
@@ -167,7 +171,10 @@ def _given(argv: Sequence[str], name: str) -> bool:
 
 
 # Run flags a resumed run may change: its budgets and stop condition, and where its cluster is now.
-RESUMABLE_RUN_FIELDS = (*BUDGETS, "stop_at_return", "ray_address")
+# Where the roles run is not part of the run: a run moved to another machine (or resumed with other cores free)
+# may be placed anew.
+PLACEMENT_FIELDS = ("layout", *CPU_FLAGS)
+RESUMABLE_RUN_FIELDS = (*BUDGETS, "stop_at_return", "ray_address", *PLACEMENT_FIELDS)
 
 
 def _same(given: Any, kept: Any) -> bool:
@@ -212,8 +219,15 @@ def _resume(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Seq
     overrides["results_dir"] = str(results)
     if args.ray_address:
         overrides["ray_address"] = args.ray_address
+    overrides.update({k: getattr(args, k) for k in PLACEMENT_FIELDS if _given(argv, k)})
     agent_overrides = {k: getattr(args, k) for k in resumable_agent_fields(type(agent_config)) if _given(argv, k)}
     try:
-        return dataclasses.replace(run, resume=True, **overrides), dataclasses.replace(agent_config, **agent_overrides)
+        resumed = dataclasses.replace(run, resume=True, **overrides), dataclasses.replace(agent_config, **agent_overrides)
     except ValueError as error:
         parser.error(str(error))
+    for flag, message in run_config_problems(resumed[0]):  # the placement flags a resume may give
+        parser.error(f"--{flag}: {message}")
+    for flag, message in placement_problems(resumed[0]):
+        kept = "" if _given(argv, flag) else f" (the resumed run's; a resume may give --{flag} anew)"
+        parser.error(f"--{flag}: {message}{kept}")
+    return resumed

@@ -116,10 +116,19 @@ def role_cpus(role: str, run: Any, available: Optional[List[int]] = None) -> Tup
 
 
 def apply_cpu_affinity(role: str, run: Any) -> Tuple[int, ...]:
-    """Pins this process to its role's cores (nothing when the run gives none); returns the cores."""
+    """Pins this process to its role's cores (nothing when the run gives none); returns the cores.
+
+    ValueError (naming the flag) when this machine cannot give them.
+    """
     cores = role_cpus(role, run)
     if cores:
-        os.sched_setaffinity(0, cores)
+        try:
+            os.sched_setaffinity(0, cores)
+        except OSError as error:  # a config from another machine, or a cgroup that shrank since the run started
+            flag = {"learner": "learner_cpus", "replay": "replay_cpus"}.get(role, "actor_cpus")
+            raise ValueError(f"cannot pin the {role} to cores {list(cores)} (--{flag} or --layout): "
+                             f"{error.strerror or error}; this process may use {sorted(os.sched_getaffinity(0))}"
+                             ) from None
     return cores
 
 

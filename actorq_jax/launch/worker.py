@@ -66,7 +66,11 @@ def main(argv: Optional[list] = None) -> int:
     results_dir = RunDir(args.results_dir)
     config_json = results_dir.config.read_text()
     run, agent_config = config_from_json(config_json)
-    runtime.apply_cpu_affinity(args.role, run)
+    try:
+        runtime.apply_cpu_affinity(args.role, run)
+    except ValueError as error:
+        logging.error("%s", error)  # cores this machine lacks: the run's own input, said without a traceback
+        return 2
     runtime.apply_jax_platform(args.role, run)
     if args.role == "replay" and args.port is not None:
         run = dataclasses.replace(run, port=args.port)
