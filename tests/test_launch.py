@@ -9,11 +9,14 @@ Flag validation runs in-process, with one run of the script itself.
 
 import json
 import os
+import pty
 import re
+import select
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -173,11 +176,47 @@ def test_killed_actor_is_restarted_then_sigterm_stops_the_run_cleanly_without_or
     assert {r["env_index"] for r in rows[episodes:]} == {0, 1}  # both environments of the new incarnation finish episodes
 
 
+class _Terminal:
+    """A pseudo-terminal a launcher runs in (as its controlling terminal), read as it writes, hung up by close()."""
+
+    def __init__(self):
+        self.master, self.slave = pty.openpty()
+        self.output = bytearray()
+        self._close = threading.Event()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        # The reader closes the master itself: a close from another thread would not end a read blocked on it.
+        while not self._close.is_set():
+            if select.select([self.master], [], [], 0.2)[0]:
+                try:
+                    self.output += os.read(self.master, 65536)
+                except OSError:
+                    break
+        os.close(self.master)
+
+    def close(self) -> None:
+        """Closes the terminal's master side: the kernel hangs up on every process it controls."""
+        self._close.set()
+        self._reader.join(timeout=10)
+
+    def text(self) -> str:
+        return self.output.decode(errors="replace")
+
+
 @pytest.mark.process
 @pytest.mark.timeout(300)
-def test_a_second_launcher_on_a_running_runs_directory_is_refused_and_changes_nothing(tmp_path):
+def test_a_second_launcher_is_refused_a_running_runs_directory_and_a_hangup_stops_the_run_cleanly(tmp_path):
     results = tmp_path / "run"
-    proc = start_run(results, *TINY, "--num_actors", "1", "--max_seconds", "250", "--tensorboard", "false")
+    terminal = _Terminal()
+    # A session of its own whose controlling terminal is the pseudo-terminal, as a shell's job in a terminal window.
+    command = [sys.executable, "experiments/run_d4pg.py", *TINY, "--num_actors", "1", "--max_seconds", "250",
+               "--tensorboard", "false", "--results_dir", str(results)]
+    take_terminal = "import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); os.execv(sys.executable, sys.argv[1:])"
+    proc = subprocess.Popen([sys.executable, "-c", take_terminal, *command], cwd=ROOT, env=ENV, stdin=terminal.slave,
+                            stdout=terminal.slave, stderr=terminal.slave, start_new_session=True)
+    os.close(terminal.slave)
     try:
         _started(results, proc)
         config, launcher_status = (results / "config.json").read_bytes(), status(results, "launcher")
@@ -193,11 +232,23 @@ def test_a_second_launcher_on_a_running_runs_directory_is_refused_and_changes_no
         assert "--results_dir" in new_err and ("already holds a run" in new_err or "is in use" in new_err), new_err
         assert (results / "config.json").read_bytes() == config  # not rewritten (a new port, a new resume flag)
         assert status(results, "launcher") == launcher_status and proc.poll() is None
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=200)
+        # The terminal window closed: the kernel hangs up on the launcher and every worker, and writing to the
+        # terminal fails from then on. An orderly stop, as Ctrl-C is, not a crash.
+        wait_for(lambda: status(results).get("learner_steps", 0) >= 20, 150, "the learner's first steps", proc)
+        pids = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        assert len(pids) >= 4  # the service, the learner, the actor and the evaluator at least
+        terminal.close()
+        proc.wait(timeout=200)
     finally:
         stop_all(proc)
-    assert proc.returncode == 0, out[-3000:]  # the run itself went on undisturbed (resumes after an end: above)
+        terminal.close()
+    assert proc.returncode == 0, terminal.text()[-3000:]
+    assert alive(pids) == [], f"processes outlived the run: {alive(pids)}"
+    summary = json.loads((results / "summary.json").read_text())
+    assert any(e.startswith("stop requested") for e in summary["events"]), summary["events"]
+    # The final checkpoint at the last step, and the final evaluation, as at any clean stop.
+    assert read_counters(results / "checkpoints")["learner_steps"] == summary["learner_steps"] >= 20
+    assert any(r["final"] == 1 for r in _rows(results / "eval.csv"))
 
 
 @pytest.mark.slow

@@ -239,7 +239,7 @@ def _fork_template(log_path: Path, env: Dict[str, str]) -> _TemplateHere:
     return _TemplateHere(pid, os.fdopen(requests_write, "w"), os.fdopen(replies_read))
 
 
-def _run_worker(request: Dict, template_fds: Tuple[int, ...] = ()) -> None:
+def _run_worker(request: Dict, template_fds: Tuple[int, ...] = (), hangup: Any = signal.SIG_DFL) -> None:
     """In the forked worker: output, title and environment of the worker, then worker.main; never returns."""
     code = 1
     try:
@@ -265,6 +265,7 @@ def _run_worker(request: Dict, template_fds: Tuple[int, ...] = ()) -> None:
         setproctitle.setproctitle(request["title"])
         os.environ.update(request["env"])
         signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.signal(signal.SIGHUP, hangup)  # ignored under nohup; else the worker's stop handlers take it
         from actorq_jax.launch.worker import main
 
         code = main(request["argv"])
@@ -289,6 +290,9 @@ def _serve() -> int:
 def _serve_requests(requests: TextIO, replies: TextIO, template_fds: Tuple[int, ...] = ()) -> int:
     """The template: forks a worker for every request line until the request pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
+    # So is a hangup (a closed terminal); each worker starts with the disposition the template was given.
+    hangup = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    hangup = hangup if hangup in (signal.SIG_DFL, signal.SIG_IGN) else signal.SIG_DFL
     from actorq_jax.launch import runtime
 
     runtime.die_with_parent()
@@ -307,7 +311,7 @@ def _serve_requests(requests: TextIO, replies: TextIO, template_fds: Tuple[int, 
                 worker = os.fork()
                 if worker == 0:
                     os.close(pid_write)
-                    _run_worker(request, template_fds)
+                    _run_worker(request, template_fds, hangup)
                 os.write(pid_write, str(worker).encode())
             finally:
                 os._exit(0)

@@ -97,6 +97,38 @@ class Worker:
     lease_seen_at: Optional[float] = None
 
 
+class QuietWhenGone:
+    """An output stream that falls silent, instead of failing, once writing to it fails (a closed terminal)."""
+
+    def __init__(self, stream: TextIO):
+        self._stream = stream
+        self.gone = False
+
+    def write(self, text: str) -> int:
+        """Writes `text` while the stream takes it."""
+        self._do(lambda: self._stream.write(text))
+        return len(text)
+
+    def flush(self) -> None:
+        """Flushes while the stream takes it."""
+        self._do(self._stream.flush)
+
+    def isatty(self) -> bool:
+        """Whether the stream is a terminal still there."""
+        try:
+            return not self.gone and bool(self._stream.isatty())
+        except (AttributeError, OSError, ValueError):
+            return False
+
+    def _do(self, action: Callable[[], Any]) -> None:
+        if self.gone:
+            return
+        try:
+            action()
+        except OSError:  # EIO from a hung-up terminal, EPIPE from a closed pipe: the run's files say the rest
+            self.gone = True
+
+
 class Launcher:
     """Runs one experiment end to end and returns its summary."""
 
@@ -105,7 +137,7 @@ class Launcher:
         self.agent_config = agent_config
         self.results_dir = Path(run.results_dir).absolute()
         self.dir = RunDir(self.results_dir)
-        self.stream = stream
+        self.stream = QuietWhenGone(stream)  # a hangup's stop must not fail on the terminal that went away
         self.stop = runtime.StopFlag()  # set from signal handlers: must take no lock (see StopFlag)
         # The replay service's and the learner's reports, for the watchdogs of live but silent workers.
         self._service_silence = Silence()
@@ -220,7 +252,7 @@ class Launcher:
         self.record.report("launcher", self.started)
         # Before our signal handlers: Ray installs its own when it starts.
         self.placement.open()
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in runtime.stop_signals()}
         energy = self.placement.energy_meter(run.country)
         energy.start()
         board = TensorBoardExport(self.results_dir).start() if run.tensorboard else None
@@ -847,6 +879,7 @@ def run_experiment(agent: str, argv: Optional[List[str]], description: Optional[
                   f"or use --resume {run.results_dir}", file=sys.stderr)
             return 2
         summary = launch(run, agent_config)
-    print(json.dumps({k: v for k, v in summary.items() if k != "events"}, indent=2))
-    print(f"results: {run.results_dir}")
+    out = QuietWhenGone(sys.stdout)  # summary.json holds the same
+    print(json.dumps({k: v for k, v in summary.items() if k != "events"}, indent=2), file=out, flush=True)
+    print(f"results: {run.results_dir}", file=out, flush=True)
     return int(summary["exit_code"])

@@ -166,20 +166,28 @@ class StopFlag:
         return self._flag
 
 
+def stop_signals() -> Tuple[int, ...]:
+    """The signals that ask a run's processes to stop: SIGTERM, SIGINT, and SIGHUP unless it is ignored."""
+    # A closed terminal hangs up on the launcher and its workers alike: a stop request, as Ctrl-C is, so the
+    # final checkpoint is written. Under nohup (SIGHUP ignored, and inherited so) the run goes on.
+    hangup = () if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN else (signal.SIGHUP,)
+    return (signal.SIGTERM, signal.SIGINT, *hangup)
+
+
 def stop_on_signals(stop: Any = None) -> StopFlag:
-    """A StopFlag (or the given one) set by SIGTERM and SIGINT; returns it."""
+    """A StopFlag (or the given one) set by each of stop_signals(); returns it."""
     flag = stop if stop is not None else StopFlag()
 
     def handler(signum: int, frame: Any) -> None:
         flag.set()
 
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
+    for sig in stop_signals():
+        signal.signal(sig, handler)
     return flag
 
 
 def install_stop_handlers() -> StopFlag:
-    """A stop flag set by SIGTERM or SIGINT, so loops can finish their step and shut down cleanly."""
+    """A stop flag set by SIGTERM, SIGINT or SIGHUP, so loops can finish their step and shut down cleanly."""
     return stop_on_signals()
 
 
