@@ -1,4 +1,5 @@
-"""Under --launcher ray the learner's and evaluator's rows reach the launcher's results directory through the service.
+"""Under --launcher ray the learner's and evaluator's rows reach the launcher's results directory through the service;
+eval.csv follows the learner's surviving timeline and holds each evaluation once.
 
 A real Reverb server on a free loopback port stands in for the replay service.
 """
@@ -51,6 +52,96 @@ def test_an_evaluation_behind_the_newest_drops_the_lost_timelines_evaluations_fi
     with EvaluationLog(path, EVAL_FIELDS) as log:
         log.write(_evaluation(50, "fp32", 7.0))
     assert [(r["learner_steps"], r["return"]) for r in read_csv(path)] == [(50, 7.0)]
+
+
+def _whole(log, step, policies=("fp32", "actor"), episodes=2, final=0):
+    for policy in policies:
+        for episode in range(episodes):
+            log.write({**_evaluation(step, policy, step / 10, final), "episode": episode})
+
+
+def test_a_new_evaluator_skips_the_step_the_file_holds_whole_and_makes_one_cut_short_again(tmp_path):
+    path, policies = tmp_path / "eval.csv", ("fp32", "actor")
+    with EvaluationLog(path, EVAL_FIELDS) as log:
+        assert log.evaluated(policies, 2) is None  # nothing evaluated yet
+        _whole(log, 50)
+        _whole(log, 100)
+    # Restarted (killed for its silence, say): step 100 is in the file whole and is not evaluated again.
+    with EvaluationLog(path, EVAL_FIELDS) as log:
+        assert log.evaluated(policies, 2) == 100
+    assert len(read_csv(path)) == 8
+    # Killed during its evaluation of step 150 (one policy's episodes written): that step is made again, whole.
+    with EvaluationLog(path, EVAL_FIELDS) as log:
+        log.write({**_evaluation(150, "fp32", 1.5), "episode": 0})
+        log.write({**_evaluation(150, "fp32", 1.5), "episode": 1})
+    with EvaluationLog(path, EVAL_FIELDS) as log:
+        assert log.evaluated(policies, 2) is None and log.newest == 100
+        _whole(log, 150)
+    rows = read_csv(path)
+    assert [(r["learner_steps"], r["policy"], r["episode"]) for r in rows if r["learner_steps"] == 150] == [
+        (150, "fp32", 0), (150, "fp32", 1), (150, "actor", 0), (150, "actor", 1)]
+    assert len(rows) == 12
+    # A run stopped with its final evaluation at step 150, then resumed from the final checkpoint there: the
+    # same weights, so not evaluated again either.
+    with EvaluationLog(path, EVAL_FIELDS) as log:
+        _whole(log, 150, final=1)
+    with EvaluationLog(path, EVAL_FIELDS) as log:
+        assert log.evaluated(policies, 2) == 150
+    assert len(read_csv(path)) == 16
+
+
+@pytest.mark.process
+@pytest.mark.timeout(120)
+def test_a_restarted_evaluator_does_not_evaluate_again_the_version_it_finds_evaluated(tmp_path):
+    import threading
+    import time
+
+    import jax
+    from launch_support import TINY
+
+    from actorq_jax.environments import environment_spec, make_environment
+    from actorq_jax.launch.evaluator import run_evaluator
+    from actorq_jax.launch.flags import parse_run
+    from actorq_jax.launch.runtime import EVAL_VARIABLES_TABLE, make_builder
+    from actorq_jax.quantization import QuantConfig
+    from actorq_jax.replay import ReplayServer, VariablePublisher
+    from actorq_jax.replay.tables import make_variables_table
+
+    run, agent_config = parse_run("d4pg", [*TINY, "--results_dir", str(tmp_path)])
+    builder = make_builder("d4pg", agent_config, environment_spec(make_environment(run.task, seed=0)))
+    params = builder.init_state(jax.random.PRNGKey(0)).policy_params
+    port = free_port()
+    server = ReplayServer([make_variables_table(EVAL_VARIABLES_TABLE)], port=port)
+    address = f"127.0.0.1:{port}"
+    try:
+        import reverb
+
+        publisher = VariablePublisher(reverb.Client(address), EVAL_VARIABLES_TABLE, QuantConfig(bits=32))
+        publisher.publish(params, version=100)
+        # What the evaluator before it wrote: a whole evaluation of version 100 (both policies, one episode each).
+        with EvaluationLog(tmp_path / "eval.csv", EVAL_FIELDS) as log:
+            _whole(log, 100, episodes=run.eval_episodes)
+        stop = threading.Event()
+        evaluator = threading.Thread(target=run_evaluator, args=(run, agent_config, address, stop),
+                                     kwargs={"launcher_alive": lambda: False})
+        evaluator.start()
+        try:
+            time.sleep(3.0)  # it fetches version 100 within its first poll
+            publisher.publish(params, version=150)
+            deadline = time.monotonic() + 60
+            while not any(r["learner_steps"] == 150 for r in read_csv(tmp_path / "eval.csv")):
+                assert time.monotonic() < deadline and evaluator.is_alive(), "no evaluation of version 150"
+                time.sleep(0.2)
+        finally:
+            stop.set()
+            evaluator.join(timeout=60)
+    finally:
+        server.stop()
+    rows = read_csv(tmp_path / "eval.csv")
+    at_100 = [(r["policy"], r["episode"]) for r in rows if r["learner_steps"] == 100]
+    assert at_100 == [("fp32", 0), ("actor", 0)], rows  # evaluated once, by the evaluator before it
+    assert {(r["policy"], r["final"]) for r in rows if r["learner_steps"] == 150} == {
+        ("fp32", 0), ("actor", 0), ("fp32", 1), ("actor", 1)}
 
 
 def test_only_known_files_are_carried():

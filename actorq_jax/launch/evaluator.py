@@ -162,6 +162,7 @@ def run_evaluator(run: Any, agent_config: Any, address: str, stop: threading.Eve
     # The launcher kills an evaluator that is alive but stops reporting (stopped, hung) and starts another.
     beat = Heartbeat(evaluator.channel, tuple(name for name, _, _ in evaluator.policies))
     with EvaluationLog(RunDir(evaluator.results_dir).eval_csv, EVAL_FIELDS, forward_to) as logger:
+        evaluator.last_version = logger.evaluated(tuple(name for name, _, _ in evaluator.policies), run.eval_episodes)
         while True:
             final = stop.is_set()
             if not final:

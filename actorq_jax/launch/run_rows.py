@@ -148,11 +148,31 @@ class EvaluationLog:
         """Appends `row` (after dropping the rows it replaces)."""
         step = int(row["learner_steps"])
         if step < self.newest:
-            self.logger.close()
-            drop_rows_after(self.path, step - 1)
-            self.logger = row_log(self.path, self.fields, self.forward_to)
+            self._drop_from(step)
         self.newest = step
         self.logger.write(row)
+
+    def evaluated(self, policies: Sequence[str], episodes: int) -> Optional[int]:
+        """The newest step the file holds a whole evaluation of (every policy's episodes), else None.
+
+        A restarted evaluator, or a resumed run's, skips that version rather than write its rows twice. Rows of
+        an evaluation cut short at that step (its evaluator killed) are dropped, so that it is made again whole.
+        """
+        if self.newest < 0:
+            return None
+        self.logger.flush()
+        # A final evaluation counts: a resumed learner publishes the final checkpoint's step, the same weights.
+        done = {(r.get("policy"), r.get("episode")) for r in _read_rows(self.path) if r.get("learner_steps") == self.newest}
+        if done >= {(policy, episode) for policy in policies for episode in range(episodes)}:
+            return self.newest
+        self._drop_from(self.newest)
+        self.newest = newest_step(self.path)
+        return None
+
+    def _drop_from(self, step: int) -> None:
+        self.logger.close()
+        drop_rows_after(self.path, step - 1)
+        self.logger = row_log(self.path, self.fields, self.forward_to)
 
     def flush(self) -> None:
         """Flushes the file (and sends what waits)."""
