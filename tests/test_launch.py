@@ -213,7 +213,9 @@ def test_a_second_launcher_is_refused_a_running_runs_directory_and_a_hangup_stop
     # A session of its own whose controlling terminal is the pseudo-terminal, as a shell's job in a terminal window.
     command = [sys.executable, "experiments/run_d4pg.py", *TINY, "--num_actors", "1", "--max_seconds", "250",
                "--tensorboard", "false", "--results_dir", str(results)]
-    take_terminal = "import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); os.execv(sys.executable, sys.argv[1:])"
+    # SIGHUP as a shell's job has it, whatever this test process was started with (nohup would pass it on ignored).
+    take_terminal = ("import fcntl, os, signal, sys, termios; signal.signal(signal.SIGHUP, signal.SIG_DFL); "
+                     "fcntl.ioctl(0, termios.TIOCSCTTY, 0); os.execv(sys.executable, sys.argv[1:])")
     proc = subprocess.Popen([sys.executable, "-c", take_terminal, *command], cwd=ROOT, env=ENV, stdin=terminal.slave,
                             stdout=terminal.slave, stderr=terminal.slave, start_new_session=True)
     os.close(terminal.slave)
@@ -238,7 +240,10 @@ def test_a_second_launcher_is_refused_a_running_runs_directory_and_a_hangup_stop
         pids = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
         assert len(pids) >= 4  # the service, the learner, the actor and the evaluator at least
         terminal.close()
-        proc.wait(timeout=200)
+        try:
+            proc.wait(timeout=200)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"no stop after the hangup:\n{terminal.text()[-3000:]}") from None
     finally:
         stop_all(proc)
         terminal.close()
