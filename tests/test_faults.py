@@ -329,6 +329,38 @@ def test_an_actor_stuck_in_a_call_that_releases_the_gil_exits_and_is_restarted(t
 
 @pytest.mark.process
 @pytest.mark.timeout(300)
+def test_a_run_stopped_and_continued_whole_goes_on_without_a_restart(tmp_path):
+    # Ctrl-Z then fg: every process of the run stopped at once, for longer than the service's allowed silence (15 s)
+    # and the actor's --actor_hang_s, then continued. Nobody was silent of its own accord: nobody is killed.
+    results = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "experiments/run_d4pg.py", *TINY, "--num_actors", "1", "--actor_hang_s", "10",
+                             "--server_timeout_s", "8", "--max_seconds", "250", "--results_dir", str(results)],
+                            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        wait_for(lambda: status(results).get("learner_steps", 0) >= 20, 150, "the learner's first steps", proc)
+        wait_for(lambda: status(results, "replay").get("env_steps", 0) >= 200, 150, "the actor's first steps", proc)
+        os.killpg(proc.pid, signal.SIGSTOP)
+        time.sleep(20)
+        os.killpg(proc.pid, signal.SIGCONT)
+        steps = status(results).get("learner_steps", 0)
+        wait_for(lambda: status(results).get("learner_steps", 0) >= steps + 50, 60, "SGD steps after it", proc)
+        time.sleep(5)  # past every watchdog's next look
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=200)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGCONT)
+        stop_all(proc)
+    assert proc.returncode == 0, out[-3000:]
+    assert "the launcher's watch was away for" in out, out[-3000:]
+    summary = json.loads((results / "summary.json").read_text())
+    assert not [e for e in summary["events"] if " died " in e or "killing it" in e], summary["events"]
+    assert summary["learner_restarts"] == 0 and summary["replay_restarts"] == 0
+
+
+@pytest.mark.process
+@pytest.mark.timeout(300)
 def test_an_actor_and_the_service_that_die_while_the_learner_restarts_are_restarted_without_waiting_for_it(tmp_path):
     results = tmp_path / "run"
     proc = start_run(results, *TINY, "--num_actors", "1", "--max_seconds", "250")

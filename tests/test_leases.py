@@ -111,3 +111,46 @@ def test_a_lease_whose_main_loop_stops_beating_is_given_back_and_its_holder_told
     assert time.monotonic() - quiet_from < 6.0
     other.release()
     lease.release()
+
+
+# An actor's main loop waiting on its stdin (a call that releases the GIL, as a blocked Reverb write does).
+_WAITING_ACTOR = """
+import sys
+from actorq_jax.launch.leases import IdLease
+lease = IdLease(sys.argv[1], 12, ttl_s=3.0, hang_s=4.0)
+lease.acquire(timeout_s=10)
+print("held", flush=True)
+for said in ("beat", "done"):
+    sys.stdin.readline()
+    lease.beat()
+    print(said, flush=True)
+lease.release()
+"""
+
+
+def test_a_process_stopped_and_continued_whole_is_not_taken_for_a_hung_one(service):
+    import signal
+    import subprocess
+    import sys
+
+    from launch_support import ENV, ROOT
+
+    proc = subprocess.Popen([sys.executable, "-c", _WAITING_ACTOR, service], cwd=ROOT, env=ENV, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        # Ctrl-Z for twice hang_s, then fg: the renewal thread stopped with the main loop, whose silence is not a hang.
+        proc.send_signal(signal.SIGSTOP)
+        time.sleep(8.0)
+        proc.send_signal(signal.SIGCONT)
+        time.sleep(2.0)  # two renewal periods: a hang would have been called by now
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        for said in ("beat", "done"):
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            assert proc.stdout.readline().strip() == said
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -58,6 +58,10 @@ SERVICE_HEARD_S = 3.0
 # every LEASE_TTL_S / 3; a restarted service learns the leases again from the next ones).
 LEASE_LOST_S = 3 * LEASE_TTL_S
 LEASE_READ_EVERY_S = 2.0
+# A pass of the launcher's watch this much later than the one before: the launcher itself was away (Ctrl-Z or a
+# SIGSTOP of the run's process group, a starved or busy launcher), so the silences it would now count are not the
+# workers' own.
+WATCH_AWAY_S = 10.0
 
 
 @dataclasses.dataclass
@@ -145,6 +149,7 @@ class Launcher:
         self._evaluator_silence = Silence()
         self._leases_read_at = 0.0
         self._lease_client: Any = None
+        self._last_pass = time.monotonic()  # the watch's last pass (see _came_back)
         # A second stop request while the first is carried out: kill the workers at once (a plain bool, as above).
         self.hurry = False
         self._hurry_said = False
@@ -342,7 +347,9 @@ class Launcher:
         unless it exited with `quiet_exit`, which the caller handles). `meanwhile` is called on every poll; when it
         returns False the wait ends with None (it said why)."""
         deadline = time.monotonic() + START_TIMEOUT_S
+        self._last_pass = time.monotonic()
         while time.monotonic() < deadline and not self.stop.is_set():
+            deadline += self._came_back()
             if meanwhile is not None and not meanwhile():
                 return None
             status = self.channel.read(worker.role)
@@ -366,7 +373,10 @@ class Launcher:
         seen_steps, seen_at = -1, time.monotonic()
         evals = EvalWatch(self.dir.eval_csv, run.stop_at_return, run.eval_episodes)
         actors = [w for w in self.workers if w.role == "actor"]
+        self._last_pass = time.monotonic()
         while not self.stop.wait(0.25):
+            away = self._came_back()
+            seen_at += away  # nor is the time without env steps the actors'
             self.cpu.sample(self.workers)
             if ended(replay.process) and not self._restart(replay, run.max_replay_restarts, "address"):
                 return 1
@@ -426,6 +436,22 @@ class Launcher:
         print("[actorq] the final checkpoint and evaluation follow; interrupt again to stop at once",
               file=self.stream, flush=True)
         return 0
+
+    def _came_back(self) -> float:
+        """Starts every silence the watchdogs count again from now when this pass of the watch comes WATCH_AWAY_S
+        or more after the one before (said); the time away, else 0."""
+        now = time.monotonic()
+        away, self._last_pass = now - self._last_pass, now
+        if away < WATCH_AWAY_S:
+            return 0.0
+        self._say(f"the launcher's watch was away for {away:.0f} s (the run stopped and continued, or the launcher "
+                  f"starved or busy): the workers' silences count from now")
+        for silence in (self._service_silence, self._learner_silence, self._evaluator_silence):
+            silence.heard_at = now
+        for w in self.workers:
+            if w.lease_seen_at is not None:
+                w.lease_seen_at = now
+        return away
 
     def _watch_service(self, replay: Worker) -> None:
         """Kills a replay service that is alive but no longer reports (SIGSTOPped, hung): the next pass of the

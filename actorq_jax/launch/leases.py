@@ -40,6 +40,8 @@ RENEWALS_PER_TTL = 3
 # legitimate silence (compiling its policy on a loaded machine), while every wait of its loop beats.
 ACTOR_HANG_S = 120.0
 REFUSALS_KEPT_S = 60.0
+# A wait that overran its period by more than this was a stopped process (Ctrl-Z, SIGSTOP), not a slow one.
+PAUSE_SLACK_S = 5.0
 
 
 class IdTaken(RuntimeError):
@@ -194,8 +196,15 @@ class IdLease:
 
         client = reverb.Client(self.address)
         # Woken often enough to notice a hang within half of hang_s, whatever the time to live.
-        while not self._stop.wait(min(self.ttl_s / RENEWALS_PER_TTL, self.hang_s / 2)):
-            quiet = time.monotonic() - self._beat_at
+        period = min(self.ttl_s / RENEWALS_PER_TTL, self.hang_s / 2)
+        waited_from = time.monotonic()
+        while not self._stop.wait(period):
+            woke = time.monotonic()
+            if woke - waited_from > period + PAUSE_SLACK_S:
+                # This thread did not run for that long: the whole process was stopped (Ctrl-Z, SIGSTOP), its
+                # main loop with it. That silence is not a hang: it counts from now.
+                self._beat_at = max(self._beat_at, woke)
+            quiet = woke - self._beat_at
             if quiet > self.hang_s:
                 log.error("actor id %d: its main loop has made no progress for %.0f s (--actor_hang_s %g): it is "
                           "hung; giving the id back and exiting", self.actor_id, quiet, self.hang_s)
@@ -211,6 +220,7 @@ class IdLease:
                 # The service is away; the actor's own link decides whether to give up. A fresh client next time.
                 log.debug("lease renewal failed: %s", error)
                 client = reverb.Client(self.address)
+            waited_from = time.monotonic()
 
     def release(self, tell_server: bool = True) -> None:
         """Stops renewing and gives the id back (best effort: an unreleased lease expires).
