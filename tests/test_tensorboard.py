@@ -1,8 +1,10 @@
 """TensorBoard export: a run's CSV rows become scalars that TensorBoard's own reader finds, row by row as they come."""
 
 import json
+import signal
 import subprocess
 import sys
+import tempfile
 import urllib.request
 from pathlib import Path
 
@@ -128,6 +130,10 @@ def test_tensorboard_serves_the_exported_scalars(tmp_path: Path) -> None:
 
     try:
         served = wait_for(lambda: tags().get("q8_run/tensorboard/learner"), 90, "TensorBoard's scalar tags", board)
+        # Stopped as a user's Ctrl-C would: a killed TensorBoard leaves its pid-N.info in the temp directory.
+        board.send_signal(signal.SIGINT)
+        board.wait(timeout=60)
     finally:
         stop_all(board)
     assert "learner/critic_loss" in served
+    assert not (Path(tempfile.gettempdir()) / ".tensorboard-info" / f"pid-{board.pid}.info").exists()
