@@ -189,7 +189,9 @@ def _assert_complete(results: Path, num_actors: int) -> dict:
 @pytest.mark.timeout(300)
 def test_dqn_on_a_local_ray_instance_stops_on_sigterm_and_leaves_no_process(tmp_path):
     results = tmp_path / "run"
-    proc = _launch(results, *TINY_DQN, "--num_actors", "1", "--envs_per_actor", "2", "--max_seconds", "120",
+    proc = _launch(results, *TINY_DQN, "--num_actors", "1", "--envs_per_actor", "2",
+                   # The test stops it: a budget past the test's deadline never ends the run before the test looks.
+                   "--max_seconds", "400",
                    "--eval_period", "100", "--checkpoint_period", "200", script="experiments/run_dqn.py")
     seen = Descendants([proc.pid])
     remote = None

@@ -132,7 +132,13 @@ def test_tensorboard_serves_the_exported_scalars(tmp_path: Path) -> None:
         served = wait_for(lambda: tags().get("q8_run/tensorboard/learner"), 90, "TensorBoard's scalar tags", board)
         # Stopped as a user's Ctrl-C would: a killed TensorBoard leaves its pid-N.info in the temp directory.
         board.send_signal(signal.SIGINT)
-        board.wait(timeout=60)
+        # communicate, not wait: TensorBoard's stderr is a pipe, and one nobody reads can fill and block its exit.
+        try:
+            _, err = board.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            board.kill()
+            _, err = board.communicate()
+            raise AssertionError(f"TensorBoard did not exit within 60 s of SIGINT; its stderr:\n{err[-3000:]}") from None
     finally:
         stop_all(board)
     assert "learner/critic_loss" in served
