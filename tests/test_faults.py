@@ -251,6 +251,18 @@ def test_remote_actor_exits_clearly_on_a_malformed_config_row(tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_a_connected_actor_has_its_policy_compiled_and_its_first_steps_compile_nothing(tmp_path):
+    # run_actor takes the id lease, whose watchdog counts --actor_hang_s, after connect(): a compile left to the
+    # first step would count against it as a main loop that made no progress.
+    with dqn_service_learner_actor(tmp_path) as (_, _, actor):
+        assert actor.act._cache_size() == 1
+        assert actor.steps == 0 and actor.total_steps == 0  # compiling acted in no environment
+        while actor.total_steps < 20:
+            actor.run_episode()
+        assert actor.act._cache_size() == 1  # the real observations met the compiled shapes and dtypes
+
+
+@pytest.mark.timeout(300)
 def test_new_dqn_items_are_sampled_at_the_max_priority(tmp_path):
     with dqn_service_learner_actor(tmp_path, update_period=10) as (service, learner, actor):
         while learner.items() < 60:

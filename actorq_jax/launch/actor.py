@@ -125,7 +125,8 @@ class Actor:
         self.run, self.agent_config, self.actor_id, self.address, self.stop = run, agent_config, actor_id, address, stop
         envs_per_actor = int(getattr(run, "envs_per_actor", 1))
         self.envs = vector_env.VectorEnv(run.task, vector_env.env_seeds(run.seed, actor_id, restart, envs_per_actor))
-        self.builder = runtime.make_builder(run.agent, agent_config, environment_spec(self.envs.envs[0]))
+        self.spec = environment_spec(self.envs.envs[0])
+        self.builder = runtime.make_builder(run.agent, agent_config, self.spec)
         self.act = vector_env.make_vector_act(
             self.builder.vector_behaviour_policy(actor_id, run.num_actors, envs_per_actor))
         self.feedback = self.builder.priority_feedback()  # None: items enter at the adder's own priority
@@ -173,8 +174,19 @@ class Actor:
             if self.link.wait():  # the server is up but publishes nothing: a clear error, not a hang
                 raise
             return False
+        self._compile_policy()
         self.adders = [self._new_adder() for _ in range(len(self.envs))]
         return True
+
+    def _compile_policy(self) -> None:
+        """Compiles the batched policy for the parameters just fetched, on zero observations of the real shape."""
+        import jax
+        import numpy as np
+
+        # Before run_actor takes the id lease: its watchdog (--actor_hang_s) would count a first call's compile,
+        # seconds on a loaded machine, as a main loop that made no progress. Pure: no key, step or env advances.
+        observations = np.zeros((len(self.envs), self.spec.observation_dim), np.float32)
+        jax.block_until_ready(self.act(self.variables.params, self.envs.keys, self.steps, observations))
 
     def _new_adder(self) -> Any:
         import reverb

@@ -37,7 +37,8 @@ LEASE_TTL_S = 10.0
 # Renewals per time to live: a lease survives two lost renewals.
 RENEWALS_PER_TTL = 3
 # How long an actor's main loop may go without a beat by default (--actor_hang_s): far beyond its longest
-# legitimate silence (compiling its policy on a loaded machine), while every wait of its loop beats.
+# legitimate silence (one policy call or environment step on a loaded machine), while every wait of its loop
+# beats. Its policy compiles before the lease is taken (Actor.connect), so a compile never counts.
 ACTOR_HANG_S = 120.0
 REFUSALS_KEPT_S = 60.0
 # A wait that overran its period by more than this was a stopped process (Ctrl-Z, SIGSTOP), not a slow one.
