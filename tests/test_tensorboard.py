@@ -1,5 +1,6 @@
 """TensorBoard export: a run's CSV rows become scalars that TensorBoard's own reader finds, row by row as they come."""
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -137,10 +138,8 @@ def test_tensorboard_serves_the_exported_scalars(tmp_path: Path) -> None:
         # Stopped as a user's Ctrl-C would. Whether TensorBoard then exits promptly is its own affair (under load
         # it has taken over a minute), so one that has not within the grace is killed, not failed.
         board.send_signal(signal.SIGINT)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             board.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            pass
     finally:
         stop_all(board)
     assert "learner/critic_loss" in served
