@@ -97,10 +97,49 @@ def test_service_channel_on_a_real_server(tmp_path):
         assert reader.read("learner") == {"env_steps": 1600}
     finally:
         server.stop()
-    # A server that is gone reads as no report yet, and a report to it is dropped, not an error.
-    gone = ServiceChannel(f"127.0.0.1:{port}")
-    assert gone.read("replay") == {}
-    gone.report("replay", {"phase": "running"})
+    # No call goes to this address after the stop: a Reverb client that writes to a server stopped in its own
+    # process has corrupted the heap under CPU contention (a native abort); the next test kills a server in
+    # another process, as a run's replay service dies.
+
+
+# A status server in a process of its own: it says "ready" once it serves, then runs until it is killed.
+_STATUS_SERVER = """
+import sys
+from actorq_jax.launch.channel import make_status_tables
+from actorq_jax.replay import ReplayServer
+server = ReplayServer(make_status_tables(), port=int(sys.argv[1]))
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.process
+@pytest.mark.timeout(90)
+def test_a_killed_server_reads_as_no_report_and_a_report_to_it_is_dropped():
+    import subprocess
+    import sys
+
+    from launch_support import ENV, ROOT, stop_all
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-c", _STATUS_SERVER, str(port)], cwd=ROOT, env=ENV, text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        assert server.stdout.readline().strip() == "ready"
+        channel = ServiceChannel(f"127.0.0.1:{port}")
+        channel.report("replay", {"phase": "running", "env_steps": 5})
+        assert channel.read("replay") == {"phase": "running", "env_steps": 5}  # it served
+        server.kill()
+        server.wait(timeout=30)
+        # The channel that wrote before the kill: its report is dropped (its own timeout ends it, not the test's).
+        began = time.monotonic()
+        channel.report("replay", {"phase": "done"})
+        assert time.monotonic() - began < 30
+        # It and one made after the kill read no report.
+        assert channel.read("replay") == {}
+        assert ServiceChannel(f"127.0.0.1:{port}").read("replay") == {}
+    finally:
+        stop_all(server)
 
 
 @pytest.mark.timeout(60)
