@@ -109,8 +109,10 @@ class AgentConfig:
     samples_per_insert: float = documented(32.0, "replay ratio enforced by Reverb's rate limiter (rate_limiter ratio)")
     rate_limiter: str = documented(
         "ratio", "ratio: actors and learner held to samples_per_insert; min_size: actors run free (the paper's actorQ)")
-    max_times_sampled: int = documented(0, "with rate_limiter min_size: an item is removed after this many samples")
-    min_replay_size: int = documented(1000, "transitions before learning starts")
+    max_times_sampled: int = documented(
+        0, "with rate_limiter min_size: an item is removed after this many samples (a learner as fast as the actors "
+           "then keeps the table near min_replay_size: its batches come from that many newest transitions)")
+    min_replay_size: int = documented(1000, "transitions before learning starts (the table never samples below it)")
     max_replay_size: int = documented(1_000_000, "FIFO capacity of the replay table")
 
     def __post_init__(self) -> None:

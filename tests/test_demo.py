@@ -45,3 +45,44 @@ def test_a_results_dir_that_cannot_hold_both_runs_is_refused_before_either_start
     assert f"--results_dir: {tmp_path / 'demo'} already holds a demo run ({earlier})" in usage_error(
         capsys, lambda: demo.main(["--results_dir", str(tmp_path / "demo")]))
     assert not (tmp_path / "demo" / "d4pg_cartpole_balance_q32_s0").exists()  # the q=32 run never started
+
+
+# A stand-in for the launcher: on SIGINT it finishes its shutdown (half a second) and says so, then exits 0.
+# It speaks on stderr, as the launcher's progress line does (the demo sends a run's stdout to /dev/null).
+_LAUNCHER = """
+import signal, sys, time
+stop = []
+signal.signal(signal.SIGINT, lambda *_: stop.append(1))
+print("ready", file=sys.stderr, flush=True)
+while not stop:
+    time.sleep(0.01)
+time.sleep(0.5)
+print("final checkpoint written", file=sys.stderr, flush=True)
+"""
+
+
+@pytest.mark.process
+@pytest.mark.timeout(60)
+def test_ctrl_c_lets_the_run_finish_its_shutdown_and_says_interrupted():
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from launch_support import ENV, ROOT
+
+    # The demo's wait in a process group of its own, as a terminal's foreground job: Ctrl-C reaches both processes.
+    waiter = ("import sys; sys.path.insert(0, 'experiments'); import demo; "
+              f"sys.exit(demo.run_to_end([sys.executable, '-c', {_LAUNCHER!r}]))")
+    proc = subprocess.Popen([sys.executable, "-c", waiter], cwd=ROOT, env=ENV, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        assert proc.stderr.readline().strip() == "ready"
+        os.killpg(proc.pid, signal.SIGINT)
+        rest = proc.stderr.read()
+        assert proc.wait(timeout=30) == demo.INTERRUPTED
+        assert "final checkpoint written" in rest  # the demo waited for the run's shutdown instead of killing it
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
