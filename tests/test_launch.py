@@ -94,6 +94,10 @@ def test_budget_run_leaves_a_complete_results_directory(tmp_path):
     assert any(r["final"] == 1 for r in eval_rows)
     learner_rows = _rows(d / "learner.csv")
     assert {"learner_steps", "wall_seconds", "critic_loss", "policy_loss", "sgd_steps_per_s"} <= set(learner_rows[0])
+    # The pool the batches came from: never more than was inserted, and by the end at least --min_replay_size
+    # (TINY's 100; the ratio regime removes nothing).
+    assert all(r["replay_items"] <= r["env_steps"] for r in learner_rows), learner_rows
+    assert learner_rows[-1]["replay_items"] >= 100, learner_rows[-1]
     actor_rows = _rows(d / "actors" / "actor_0.csv")
     assert {"actor_id", "env_steps", "episode_return", "env_step_s", "inference_s", "adder_s", "pull_s",
             "deserialize_s", "load_s", "rejected_payloads"} <= set(actor_rows[0])

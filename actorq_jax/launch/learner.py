@@ -122,6 +122,7 @@ class Learner:
         self._pending: Optional[PendingCheckpoint] = None  # a checkpoint whose replay half is being written
         self._last_poll = 0.0
         self._env_steps_cache = (0.0, int(counters.get("env_steps", 0)))
+        self._replay_items = 0  # the table's size when env steps were last counted
         # The count goes on from what was counted before, also when the service restarted from an older
         # replay checkpoint (its insert count went back; the env steps were taken all the same).
         self._last_inserts = self._inserts()
@@ -155,7 +156,13 @@ class Learner:
                 self._env_steps_offset += self._last_inserts - inserts
             self._last_inserts = inserts
             self._env_steps_cache = (now, inserts + self._env_steps_offset)
+            self._replay_items = int(info.current_size)
         return self._env_steps_cache[1]
+
+    @property
+    def replay_items(self) -> int:
+        """Items in the replay table when env steps were last counted: the pool batches are drawn from."""
+        return self._replay_items
 
     def _inserts(self) -> int:
         return int(self.client.server_info(timeout=30)[self.replay_table].rate_limiter_info.insert_stats.completed)
@@ -331,13 +338,14 @@ class LearnerLog:
         self._last = (time.monotonic(), first_step, time.process_time())
         self._last_totals = PublishTotals(0, 0, 0, 0.0, -1, 0)
 
-    def write(self, steps: int, env_steps: int, metrics: Dict[str, float], totals: PublishTotals) -> None:
+    def write(self, steps: int, env_steps: int, metrics: Dict[str, float], totals: PublishTotals,
+              replay_items: int) -> None:
         """Writes the row of learner step `steps` (`metrics`: the agent's loggable ones)."""
         now = time.monotonic()
         row = dict(metrics)
         if self._logger is None:
             fields = ["learner_steps", "wall_seconds", "env_steps", "sgd_steps_per_s", "cpu_s_per_step", "publish_s",
-                      "publish_bytes", "versions_published", "versions_dropped"]
+                      "publish_bytes", "versions_published", "versions_dropped", "replay_items"]
             # One row per LOG_EVERY_STEPS steps is rare enough to flush each: a SIGKILL loses none.
             self._logger = row_log(self.path, fields + sorted(row), self.forward_to, flush_every_s=0)
         last_time, last_steps, last_cpu = self._last
@@ -355,6 +363,9 @@ class LearnerLog:
             publish_bytes=_per_item(totals.nbytes - self._last_totals.nbytes, totals.published - self._last_totals.published),
             versions_published=totals.published,  # cumulative since this learner process started
             versions_dropped=totals.dropped,  # replaced by a newer version before they were sent
+            # Where items leave after --max_times_sampled samples, a learner as fast as the actors keeps the table
+            # near --min_replay_size: this says how many transitions the batches came from.
+            replay_items=replay_items,
         )
         self._logger.write(row)
         self._last = (now, steps, cpu)
@@ -450,7 +461,8 @@ def _after_step(learner: Learner, csv_log: LearnerLog, metrics: Dict[str, Any]) 
     # The row before the checkpoint: a checkpoint at step N then implies row N is on disk, so a learner
     # killed right after it (and restored to it) never loses the rows its checkpoint accounts for.
     if log_row:
-        csv_log.write(steps, learner.env_steps(), learner.builder.loggable_metrics(metrics), learner.publisher.totals())
+        csv_log.write(steps, learner.env_steps(), learner.builder.loggable_metrics(metrics), learner.publisher.totals(),
+                      learner.replay_items)
     if checkpoint:
         learner.checkpoint(wait=False)
     elif learner.checkpoint_pending:
