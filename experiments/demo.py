@@ -11,9 +11,8 @@ CPU per env step), and the actor runs free (`--rate_limiter min_size`, each item
 A learner as fast as the actor drains such a table down to `--min_replay_size` items, every batch then drawn
 from that window of the newest transitions: 10,000 (ten cartpole episodes) rather than the default 1,000 (one
 episode: with it the policy saturated and stayed at a return of 135 in 5 of 11 such runs; RESULTS.md, RQ3).
-In that setting 5 of 6 grid runs reached 900 within 341 s (RESULTS.md, RQ3), but one seed's return can sit
-below 900 for minutes after an early peak, and a busy host slows a run: each run therefore stops at its first
-evaluation at 900 (`--stop_at_return`) and at the latest after 600 s.
+A seed's return can sit below 900 for minutes after an early peak, and a busy host slows a run: each run
+therefore stops at its first evaluation at 900 (`--stop_at_return`) and at the latest after 600 s.
 Ctrl-C stops the run in progress as it stops a run alone (its final checkpoint and evaluation follow; a
 second Ctrl-C stops it at once), and the demo starts no further run.
 Each run shows its progress line; then experiments/plot.py draws the curves and the demo prints the time to 900 of each
