@@ -72,7 +72,10 @@ def test_ctrl_c_lets_the_run_finish_its_shutdown_and_says_interrupted():
     from launch_support import ENV, ROOT
 
     # The demo's wait in a process group of its own, as a terminal's foreground job: Ctrl-C reaches both processes.
-    waiter = ("import sys; sys.path.insert(0, 'experiments'); import demo; "
+    # Python's own SIGINT handler, as in a terminal: a shell that started this test in the background left the
+    # signal ignored, and the waiter would inherit that.
+    waiter = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+              "sys.path.insert(0, 'experiments'); import demo; "
               f"sys.exit(demo.run_to_end([sys.executable, '-c', {_LAUNCHER!r}]))")
     proc = subprocess.Popen([sys.executable, "-c", waiter], cwd=ROOT, env=ENV, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
