@@ -68,6 +68,8 @@ def test_budget_run_leaves_a_complete_results_directory(tmp_path):
                 "env_steps_per_second", "energy_kwh", "emissions_kg"):
         assert key in summary, key
     assert summary["learner_steps"] == 300 and summary["counters_from"] == "final status report"
+    # The learner's reports carry the replay table's size (the launcher's progress line shows it).
+    assert 100 <= status(d)["replay_items"] <= summary["env_steps"], status(d)
     assert summary["energy_kwh"] > 0 and summary["emissions_kg"] > 0
     # Where the run's CPU went, per process: the replay service's as well as the learner's and the actor's.
     assert set(summary["worker_cpu_s"]) == {"replay", "learner", "actor_0", "evaluator"}

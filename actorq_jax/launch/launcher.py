@@ -414,9 +414,12 @@ class Launcher:
                 rate = (env_steps - last_steps) / (now - last_time)
                 last_steps, last_time = env_steps, now
             evals.poll()
+            # The replay table's size: a learner as fast as free-running actors holds it at --min_replay_size.
+            items = status.get("replay_items")
+            window = f"  replay {int(items):>9,d}" if items is not None else ""
             progress.update(
                 f"{elapsed:7.0f}s  env steps {env_steps:>9,d} ({rate:7.0f}/s)  learner steps {learner_steps:>7,d}"
-                f"  eval return {evals.last_return()}"
+                f"{window}  eval return {evals.last_return()}"
             )
             if run.max_env_steps is not None and env_steps >= run.max_env_steps:
                 self._say(f"env step budget reached ({env_steps:,d} >= {run.max_env_steps:,d})")

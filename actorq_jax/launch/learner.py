@@ -503,6 +503,7 @@ class StatusReport:
             "platform": jax.default_backend(),
             "learner_steps": learner.steps,
             "env_steps": env_steps,
+            "replay_items": learner.replay_items,  # the pool its batches come from (the launcher's progress line)
             "wall_seconds": time.monotonic() - self.start,
             "restored": learner.restored,
             # Finished checkpoints on this node (under Ray the launcher's process copies each new one).
