@@ -10,7 +10,7 @@ share core 1 (one actor process per actor core: two processes time-sharing a cor
 CPU per env step), and the actor runs free (`--rate_limiter min_size`, each item sampled at most 8 times).
 A learner as fast as the actor drains such a table down to `--min_replay_size` items, every batch then drawn
 from that window of the newest transitions: 10,000 (ten cartpole episodes) rather than the default 1,000 (one
-episode: with it the policy saturated and stayed at a return of 135 in 5 of 11 such runs; RESULTS.md, RQ3).
+episode: with it the policy saturated and sat at a return of 135 in 5 of 11 such runs; RESULTS.md, RQ3).
 A seed's return can sit below 900 for minutes after an early peak, and a busy host slows a run: each run
 therefore stops at its first evaluation at 900 (`--stop_at_return`) and at the latest after 600 s.
 Ctrl-C stops the run in progress as it stops a run alone (its final checkpoint and evaluation follow; a
