@@ -102,12 +102,13 @@ def test_service_channel_on_a_real_server(tmp_path):
     # another process, as a run's replay service dies.
 
 
-# A status server in a process of its own: it says "ready" once it serves, then runs until it is killed.
+# A status server in a process of its own: it says "ready" once it serves, then runs until it is killed. Its
+# checkpoint directory is the test's: a server without one makes its own in the temp folder, which a kill leaves.
 _STATUS_SERVER = """
 import sys
 from actorq_jax.launch.channel import make_status_tables
 from actorq_jax.replay import ReplayServer
-server = ReplayServer(make_status_tables(), port=int(sys.argv[1]))
+server = ReplayServer(make_status_tables(), port=int(sys.argv[1]), checkpoint_dir=sys.argv[2])
 print("ready", flush=True)
 sys.stdin.read()
 """
@@ -115,15 +116,16 @@ sys.stdin.read()
 
 @pytest.mark.process
 @pytest.mark.timeout(90)
-def test_a_killed_server_reads_as_no_report_and_a_report_to_it_is_dropped():
+def test_a_killed_server_reads_as_no_report_and_a_report_to_it_is_dropped(tmp_path):
     import subprocess
     import sys
 
     from launch_support import ENV, ROOT, stop_all
 
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-c", _STATUS_SERVER, str(port)], cwd=ROOT, env=ENV, text=True,
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen([sys.executable, "-c", _STATUS_SERVER, str(port), str(tmp_path / "checkpoints")],
+                              cwd=ROOT, env=ENV, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL)
     try:
         assert server.stdout.readline().strip() == "ready"
         channel = ServiceChannel(f"127.0.0.1:{port}")
