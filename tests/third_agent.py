@@ -224,9 +224,17 @@ class ThirdBuilder(AgentBuilder):
         return np.zeros((), np.int32)
 
 
-def expected_step_index_mean(episode_lengths: List[int]) -> float:
-    """The mean step index over every item of episodes of these lengths (0..L-1 each)."""
-    return sum(length * (length - 1) / 2 for length in episode_lengths) / sum(episode_lengths)
+def prefix_mean_range(episode_lengths: List[int], first: int, last: int) -> Tuple[float, float]:
+    """The smallest and largest mean step index over the first n items written, n from `first` to `last`.
+
+    Items are the episodes' steps in order (0..L-1 each); past the completed episodes, the next episode's first
+    steps (0, 1, ...), as an actor writes an episode under way.
+    """
+    indices = [i for length in episode_lengths for i in range(length)]
+    indices += range(max(0, last - len(indices)))
+    means = np.cumsum(indices[:last], dtype=np.float64) / np.arange(1, last + 1)
+    chosen = means[first - 1:last]
+    return float(chosen.min()), float(chosen.max())
 
 
 ENTRY = register_agent(AgentEntry(
