@@ -511,3 +511,34 @@ def test_the_eval_watch_judges_only_complete_evaluations_after_an_sgd_step(tmp_p
     plain = EvalWatch(path, None, episodes=2)
     plain.poll()
     assert plain.last_return() == "400.0" and plain.reach is None
+
+
+def test_the_replay_window_watch_says_once_when_a_min_size_table_sits_at_its_floor_while_the_learner_steps():
+    from actorq_jax.agents.d4pg.config import D4PGConfig
+    from actorq_jax.launch.launcher import ReplayWindowWatch
+
+    config = D4PGConfig(rate_limiter="min_size", max_times_sampled=8, min_replay_size=1000,
+                        batch_size=256)
+    watch = ReplayWindowWatch(config, hold_s=60.0)
+    # Filling before the first SGD step, then a table above its floor (more than a batch over it): nothing to say.
+    assert watch.update(0.0, 0, 400) is None and watch.update(70.0, 0, 1000) is None
+    assert watch.update(80.0, 50, 1257) is None and watch.update(150.0, 900, 5000) is None
+    # Back at the floor (within a batch, 256 here, or a tenth of it), the learner stepping: said once the hold has passed.
+    assert watch.update(160.0, 1000, 1040) is None
+    assert watch.update(219.0, 1500, 998) is None  # 59 s
+    said = watch.update(221.0, 1520, 1003)
+    assert said and "1,000 items (--min_replay_size) for 61 s" in said and "its 8 samples" in said, said
+    assert "--min_replay_size widens it" in said
+    assert watch.update(400.0, 3000, 1000) is None  # once per run
+    # The clock starts again when the window widens for a moment.
+    watch = ReplayWindowWatch(config, hold_s=60.0)
+    for now, steps, items in ((0.0, 10, 1000), (50.0, 60, 1300), (100.0, 110, 1000)):
+        assert watch.update(now, steps, items) is None
+    assert watch.update(159.0, 160, 1000) is None and watch.update(161.0, 170, 1000)
+    # A learner that stopped stepping at the floor (its actors gone) is not drawing batches from it.
+    stalled = ReplayWindowWatch(config, hold_s=60.0)
+    assert stalled.update(0.0, 500, 999) is None and stalled.update(100.0, 500, 999) is None
+    # The ratio regime keeps every item until the table is full: never said; nor without a size in the report.
+    ratio = ReplayWindowWatch(D4PGConfig(min_replay_size=1000), hold_s=60.0)
+    assert ratio.update(0.0, 10, 1000) is None and ratio.update(100.0, 500, 1000) is None
+    assert ReplayWindowWatch(config, hold_s=60.0).update(0.0, 10, None) is None

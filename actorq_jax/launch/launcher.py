@@ -39,10 +39,14 @@ from actorq_jax.launch.placement import CpuMeter, LocalPlacement, Placement, Wor
 from actorq_jax.launch.replay_service import CHECKPOINT_S_PER_ITEM
 from actorq_jax.net import PortTaken
 from actorq_jax.run_dir import STOP_EVENT, RunDir
+from actorq_jax.telemetry.progress import is_terminal
 from actorq_jax.telemetry.tensorboard import TensorBoardExport
 
 START_TIMEOUT_S = 300.0
 ACTOR_STOP_TIMEOUT_S = 20.0
+# How long a min_size-regime run's table sits at --min_replay_size, the learner stepping, before the launcher says
+# so (ReplayWindowWatch): longer than a learner restart's pause, short enough to be read while the run goes.
+NARROW_WINDOW_HOLD_S = 60.0
 LEARNER_FINAL_TIMEOUT_S = 180.0
 EVALUATOR_FINAL_TIMEOUT_S = 600.0
 # Starts on a fresh port when another process took the launcher's pick before the service bound it.
@@ -181,7 +185,9 @@ class Launcher:
 
     def _say(self, message: str) -> None:
         self.events.append(message)
-        print(f"[actorq] {message}", file=self.stream, flush=True)
+        # On a terminal the progress line has no newline yet: the message replaces it (the next update redraws it).
+        clear = "\r\x1b[K" if is_terminal(self.stream) else ""
+        print(f"{clear}[actorq] {message}", file=self.stream, flush=True)
 
     def _log_tail(self, worker: Worker, lines: int = 30) -> str:
         path = self.dir.log(worker.name)
@@ -372,6 +378,7 @@ class Launcher:
         rate = 0.0
         seen_steps, seen_at = -1, time.monotonic()
         evals = EvalWatch(self.dir.eval_csv, run.stop_at_return, run.eval_episodes)
+        window_watch = ReplayWindowWatch(self.agent_config)
         actors = [w for w in self.workers if w.role == "actor"]
         self._last_pass = time.monotonic()
         while not self.stop.wait(0.25):
@@ -417,6 +424,9 @@ class Launcher:
             # The replay table's size: a learner as fast as free-running actors holds it at --min_replay_size.
             items = status.get("replay_items")
             window = f"  replay {int(items):>9,d}" if items is not None else ""
+            narrow = window_watch.update(now, learner_steps, None if items is None else int(items))
+            if narrow:
+                self._say(narrow)
             progress.update(
                 f"{elapsed:7.0f}s  env steps {env_steps:>9,d} ({rate:7.0f}/s)  learner steps {learner_steps:>7,d}"
                 f"{window}  eval return {evals.last_return()}"
@@ -803,6 +813,49 @@ class Launcher:
         for role in ("learner", "replay"):
             summary[f"{role}_restarts"] = next((w.restarts for w in self.workers if w.role == role), 0)
         return summary
+
+
+class ReplayWindowWatch:
+    """Says once when a run of the `min_size` regime holds its replay table at --min_replay_size while it learns.
+
+    There an item leaves after its --max_times_sampled-th sample; a learner as fast as the actors samples each
+    new item that often as soon as it arrives, so the table stays at its floor and every batch comes from the
+    newest --min_replay_size transitions, a window a D4PG policy was seen to collapse on (RESULTS.md, "The
+    free-running regime's replay window"). Nothing else in the run shows it: the losses stay finite.
+    """
+
+    def __init__(self, agent_config: Any, hold_s: float = NARROW_WINDOW_HOLD_S):
+        regime = getattr(agent_config, "rate_limiter", "ratio")
+        self.floor: Optional[int] = int(agent_config.min_replay_size) if regime == "min_size" else None
+        self.times = int(getattr(agent_config, "max_times_sampled", 0))
+        # At its floor the table's size moves by a batch's removals and an episode's inserts; a tenth of the
+        # floor (at least a batch) above it still counts as held there.
+        self.margin = max(int(getattr(agent_config, "batch_size", 1)), (self.floor or 0) // 10)
+        self.hold_s = hold_s
+        self._since: Optional[float] = None
+        self._steps_since = 0
+        self.said = False
+
+    def update(self, now: float, learner_steps: int, items: Optional[int]) -> Optional[str]:
+        """Takes one reading (monotonic seconds, the learner's steps, the table's size); the warning the first time
+        the table has sat at its floor for `hold_s` while the learner stepped, else None."""
+        if self.floor is None or self.said or items is None:
+            return None
+        if learner_steps <= 0 or items > self.floor + self.margin:
+            self._since = None  # filling before the first step, or a window wider than the floor
+            return None
+        if self._since is None:
+            self._since, self._steps_since = now, learner_steps
+            return None
+        # A learner that stopped stepping (actors gone, the limiter holding it) is not drawing from that window.
+        if now - self._since < self.hold_s or learner_steps <= self._steps_since:
+            return None
+        self.said = True
+        return (f"the replay table has held about {self.floor:,d} items (--min_replay_size) for {now - self._since:.0f} s "
+                f"while the learner stepped: with --rate_limiter min_size each item leaves after its {self.times} "
+                f"samples (--max_times_sampled), which this learner takes as soon as the item arrives, so every batch "
+                f"comes from the newest {self.floor:,d} transitions; a policy can collapse on so narrow a window. A "
+                f"larger --min_replay_size widens it (the demo uses 10000), a slower learner or more actors too")
 
 
 class EvalWatch:

@@ -11,7 +11,8 @@ _TTY_INTERVAL_S = 0.1
 _LOG_INTERVAL_S = 30.0
 
 
-def _is_tty(stream: TextIO) -> bool:
+def is_terminal(stream: TextIO) -> bool:
+    """Whether `stream` is a terminal (False for files, pipes, closed streams and objects without isatty)."""
     try:
         return bool(stream.isatty())
     except (AttributeError, ValueError):  # no isatty, or a closed stream
@@ -37,7 +38,7 @@ class ProgressLine:
         clock: Callable[[], float] = time.monotonic,
     ):
         self._stream = sys.stderr if stream is None else stream
-        self._tty = _is_tty(self._stream)
+        self._tty = is_terminal(self._stream)
         if min_interval_s is None:
             min_interval_s = _TTY_INTERVAL_S if self._tty else _LOG_INTERVAL_S
         min_interval_s = float(min_interval_s)
