@@ -20,6 +20,8 @@ from typing import ClassVar, Iterator, List, Union
 
 # The event a run's summary holds when a stop request (a signal), not a budget, ended it.
 STOP_EVENT = "stop requested"
+# How the launcher's event begins when a min_size run's replay table sat at --min_replay_size while the learner stepped.
+NARROW_WINDOW_EVENT = "the replay table has held about"
 
 
 class RunDir:

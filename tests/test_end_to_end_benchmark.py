@@ -46,6 +46,22 @@ def test_time_env_steps_and_energy_to_target(tmp_path):
     assert figures["bound_by"].startswith("actor inference")
 
 
+def test_the_bottleneck_line_says_when_the_launcher_found_the_replay_table_at_its_floor(tmp_path):
+    run_dir = _fake_run(tmp_path, [100.0, 200.0])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert "replay held" not in measure_run(run_dir, threshold=900.0)["bound_by"]
+    # The launcher's own event, as ReplayWindowWatch words it.
+    from actorq_jax.agents.d4pg.config import D4PGConfig
+    from actorq_jax.launch.launcher import ReplayWindowWatch
+
+    watch = ReplayWindowWatch(D4PGConfig(rate_limiter="min_size", max_times_sampled=8), hold_s=1.0)
+    event = [watch.update(t, 10 + t, 1000) for t in (0.0, 2.0)][-1]
+    write_json(run_dir / "summary.json", {**summary, "events": ["replay service up", event]})
+    bound = measure_run(run_dir, threshold=900.0)["bound_by"]
+    assert bound.startswith("actor inference") and bound.endswith("learner at the data bound, replay held at "
+                                                                   "--min_replay_size"), bound
+
+
 def test_a_run_that_misses_the_target_is_not_reached_and_never_counts_its_budget(tmp_path):
     # The actors' policy reaches 1000 but only fp32 evaluations count.
     figures = measure_run(_fake_run(tmp_path, [100.0, 200.0, 850.0]), threshold=900.0)

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional
 import pandas as pd
 
 from actorq_jax.analysis.aggregate import time_to_target
-from actorq_jax.run_dir import RunDir
+from actorq_jax.run_dir import NARROW_WINDOW_EVENT, RunDir
 from actorq_jax.telemetry import ACTOR_PHASES
 from actorq_jax.telemetry.schema import CPU_CLOCK
 
@@ -52,8 +52,15 @@ def measure_run(run_dir: Path, threshold: float, cores: Optional[int] = None) ->
         # A run stopped before its evaluator's final evaluation has none: NaN, as for a miss.
         "final_return": _number(summary.get("final_eval_return")),
         "actor_phase_s": phases,
-        "bound_by": bottleneck(phases, cpu, core_load(summary, config, cores)),
+        "bound_by": bottleneck(phases, cpu, core_load(summary, config, cores)) + _narrow_window(summary),
     }
+
+
+def _narrow_window(summary: Dict[str, Any]) -> str:
+    """A note for the bottleneck line when the launcher said the run's replay table sat at --min_replay_size: its
+    learner took every item as soon as it came (bound by the actors' data), drawing from the newest items only."""
+    narrow = any(str(event).startswith(NARROW_WINDOW_EVENT) for event in summary.get("events", []))
+    return "; learner at the data bound, replay held at --min_replay_size" if narrow else ""
 
 
 def _worker_cores(summary: Dict[str, Any], config: Dict[str, Any], cores: Optional[int]) -> Dict[str, List[int]]:

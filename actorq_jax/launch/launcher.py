@@ -38,7 +38,7 @@ from actorq_jax.launch.leases import LEASE_TTL_S, read_leases
 from actorq_jax.launch.placement import CpuMeter, LocalPlacement, Placement, WorkerProcess, ended, how_it_ended
 from actorq_jax.launch.replay_service import CHECKPOINT_S_PER_ITEM
 from actorq_jax.net import PortTaken
-from actorq_jax.run_dir import STOP_EVENT, RunDir
+from actorq_jax.run_dir import NARROW_WINDOW_EVENT, STOP_EVENT, RunDir
 from actorq_jax.telemetry.progress import is_terminal
 from actorq_jax.telemetry.tensorboard import TensorBoardExport
 
@@ -851,7 +851,7 @@ class ReplayWindowWatch:
         if now - self._since < self.hold_s or learner_steps <= self._steps_since:
             return None
         self.said = True
-        return (f"the replay table has held about {self.floor:,d} items (--min_replay_size) for {now - self._since:.0f} s "
+        return (f"{NARROW_WINDOW_EVENT} {self.floor:,d} items (--min_replay_size) for {now - self._since:.0f} s "
                 f"while the learner stepped: with --rate_limiter min_size each item leaves after its {self.times} "
                 f"samples (--max_times_sampled), which this learner takes as soon as the item arrives, so every batch "
                 f"comes from the newest {self.floor:,d} transitions; a policy can collapse on so narrow a window. A "
