@@ -20,7 +20,7 @@ import math
 import sys
 import tempfile
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import matplotlib
 
@@ -90,6 +90,11 @@ def render_rq4(study_dir: Path, figures_dir: Path, figure_link: str) -> str:
     recorded_on = {s.get("collected_on", {}).get("cores") for d in studies
                    for s in analysis.read_study(d).get("sources", {}).values()}
     cores = recorded_on.pop() if len(recorded_on) == 1 else None  # one machine: runs without their cores use its
+    # Runs recorded before summaries named their machine: the machine their record set was collected on.
+    collected_on = {run: _machine_name(source.get("collected_on", {})) for d in studies
+                    for source in analysis.read_study(d).get("sources", {}).values()
+                    for run in source.get("runs_collected", [])}
+    runs["machine"] = [m if isinstance(m, str) and m else collected_on.get(r) for r, m in zip(runs["run"], runs["machine"])]
     table = time_split(runs, analysis.load_actor_episodes(runs), analysis.load_learner(runs), cores)
     lines: List[str] = []
     for d in studies:
@@ -107,6 +112,12 @@ def render_rq4(study_dir: Path, figures_dir: Path, figure_link: str) -> str:
         analysis.save_figure(plot_time_split(table), figures_dir / "rq4_time_split.png")
         lines += ["", f"![where actor and learner time goes]({figure_link}rq4_time_split.png)"]
     return "\n".join(lines)
+
+
+def _machine_name(collected_on: Dict[str, Any]) -> Optional[str]:
+    """A record set's machine as run summaries name theirs: "<cpu> (<cpu_id>)", or the CPU alone (None if unsaid)."""
+    cpu, cpu_id = collected_on.get("cpu"), collected_on.get("cpu_id")
+    return (f"{cpu} ({cpu_id})" if cpu_id else cpu) or None
 
 
 def _e2e_row(run_dir: Path, threshold: float, cores: Optional[int]) -> Dict:

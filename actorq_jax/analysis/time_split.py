@@ -1,5 +1,6 @@
 """Where the time of a run goes (RQ4): actor milliseconds per env step by phase, learner milliseconds per SGD
-step (CPU against the rest), per agent, task, layout, actor layout, replay regime, actor and wire bit-width; and its figure.
+step (CPU against the rest), per agent, task, layout, actor layout, replay regime, machine, actor and wire
+bit-width; and its figure.
 
 The actor's phases are wall time, each beside the CPU time its thread spent: wall well above CPU means
 the process waited (for a core, the server, or the rate limiter). The learner's step splits into its
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -22,7 +24,9 @@ from actorq_jax.analysis.run_figures import bottleneck, core_load
 from actorq_jax.run_dir import RunDir
 from actorq_jax.telemetry.schema import CPU_CLOCK
 
-GROUP = ["agent", "task", "layout", "actors", "policy", "regime", "bits", "comm_bits"]
+# Runs of different machines are never averaged together: the same layout is another balance on another CPU.
+GROUP = ["agent", "task", "layout", "actors", "policy", "regime", "machine", "bits", "comm_bits"]
+UNRECORDED = "not recorded"
 
 
 def _phase_seconds(episodes: pd.DataFrame, suffix: str = "_s") -> Dict[str, float]:
@@ -81,15 +85,17 @@ def _learner_split(rows: pd.DataFrame) -> Dict[str, float]:
 
 def time_split(runs: pd.DataFrame, actors: pd.DataFrame, learner: pd.DataFrame,
                cores: Optional[int] = None) -> pd.DataFrame:
-    """One row per (agent, task, layout, actor layout, policy, regime, actor bits, wire bits): mean over runs of the actors'
-    and the learner's ms per step, with the run count and what bound the runs (from the summed actor phases and,
+    """One row per (agent, task, layout, actor layout, policy, regime, machine, actor bits, wire bits): mean over runs
+    of the actors' and the learner's ms per step, with the run count and what bound the runs (from the summed actor phases and,
     where measured, the actors' cores' load; `cores`: the machine's, for runs that did not record theirs)."""
     rows: List[Dict[str, object]] = []
     for run in runs[runs["complete"]].itertuples(index=False):
         episodes = actors[actors["run"] == run.run] if not actors.empty else actors
         if episodes.empty or float(episodes["episode_length"].sum()) <= 0:
             continue
-        row = {k: getattr(run, k) for k in GROUP}
+        row = {k: getattr(run, k) for k in GROUP if k != "machine"}
+        machine = getattr(run, "machine", None)
+        row["machine"] = machine if isinstance(machine, str) and machine else UNRECORDED
         row["phase_s"] = _phase_seconds(episodes)
         # CPU per phase only from the process clock (one thread's clock missed XLA's threads).
         row["phase_cpu_s"] = _phase_seconds(episodes, "_cpu_s") if run.cpu_clock == CPU_CLOCK else None
@@ -124,14 +130,15 @@ def _or_dash(value: float, pattern: str) -> str:
 
 def time_split_markdown(table: pd.DataFrame) -> str:
     """The table of record: ms per step by phase (actors) and CPU against the rest (learner), and the bound."""
-    header = (["agent", "task", "layout", "actors", "policy", "regime", "actor bits", "wire bits", "runs"]
+    header = (["agent", "task", "layout", "actors", "policy", "regime", "machine", "actor bits", "wire bits", "runs"]
               + [p.replace("_", " ") for p in PHASES]
               + ["actor wall (CPU)", "replay service CPU", "learner step wall (CPU)", "bound by"])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in table.itertuples(index=False):
         phases = [f"{getattr(r, f'actor_{p}_ms'):.3f}" for p in PHASES]
         lines.append("| " + " | ".join([
-            r.agent, r.task, r.layout, r.actors, r.policy, r.regime, f"q={r.bits}", str(r.comm_bits), str(r.runs), *phases,
+            r.agent, r.task, r.layout, r.actors, r.policy, r.regime, r.machine, f"q={r.bits}", str(r.comm_bits),
+            str(r.runs), *phases,
             f"{r.actor_wall_ms:.3f} ({_or_dash(r.actor_cpu_ms, '.3f')})", _or_dash(r.service_cpu_ms, ".3f"),
             f"{r.learner_wall_ms:.1f} ({_or_dash(r.learner_cpu_ms, '.1f')})",
             r.bound_by]) + " |")
@@ -141,6 +148,15 @@ def time_split_markdown(table: pd.DataFrame) -> str:
 def _wire(bits: int, comm_bits: int) -> str:
     """A bar label's note of the wire's bit-width where it differs from the actors'."""
     return "" if comm_bits == bits else f", wire {comm_bits}"
+
+
+def short_machine(machine: str) -> str:
+    """A recorded machine ("<cpu name> (<vendor> family F model M)") as vendor and family/model, for a bar's label."""
+    match = re.search(r"\((\w+) family (\d+) model (\d+)\)", machine)
+    if not match:  # a name alone: its first words without trademarks and clock ("Intel Xeon", "AMD EPYC")
+        return " ".join(re.sub(r"\(R\)|\(TM\)|Processor|CPU|@.*", " ", machine).split()[:3])
+    vendor = {"GenuineIntel": "Intel", "AuthenticAMD": "AMD"}.get(match.group(1), match.group(1))
+    return f"{vendor} {match.group(2)}/{match.group(3)}"
 
 
 def _short_bound(bound_by: str) -> str:
@@ -155,11 +171,14 @@ def plot_time_split(table: pd.DataFrame) -> Figure:
     cases = list(dict.fromkeys(zip(table["agent"], table["task"])))
     if not cases:
         raise ValueError("no runs with actor episodes to plot")
-    fig = Figure(figsize=(12.0, 3.9 * len(cases)), layout="constrained")
-    axes = fig.subplots(len(cases), 2, squeeze=False)
+    # A case of many bars gets room below its axes for its upright labels.
+    heights = [3.9 + (2.6 if int(((table["agent"] == a) & (table["task"] == t)).sum()) > 6 else 0.0) for a, t in cases]
+    fig = Figure(figsize=(12.0, sum(heights)), layout="constrained")
+    axes = fig.subplots(len(cases), 2, squeeze=False, gridspec_kw={"height_ratios": heights})
     for (ax_actor, ax_learner), (agent, task) in zip(axes, cases):
         rows = table[(table["agent"] == agent) & (table["task"] == task)]
-        labels = [f"{r.layout} {r.actors} {r.policy}\n{r.regime}\nq={r.bits}{_wire(r.bits, r.comm_bits)}\n"
+        labels = [f"{r.layout} {r.actors} {r.policy}\n{r.regime}, {short_machine(r.machine)}\nq={r.bits}"
+                  f"{_wire(r.bits, r.comm_bits)}\n"
                   f"bound: {_short_bound(r.bound_by)}" for r in rows.itertuples(index=False)]
         x = np.arange(len(rows))
         bottom = np.zeros(len(rows))
@@ -180,7 +199,10 @@ def plot_time_split(table: pd.DataFrame) -> Figure:
         if (~known).any():  # runs timed before the process clock: the step's wall time only
             ax_learner.bar(x[~known], wall[~known], color="#8c8c8c", hatch="//", label="SGD step (CPU not recorded)")
         for ax, unit in ((ax_actor, "ms per actor env step"), (ax_learner, "ms per learner SGD step")):
-            ax.set_xticks(x, labels, fontsize="small" if len(rows) <= 4 else "x-small")
+            # Many bars: each label on one upright line in its bar's width, instead of running into its neighbours.
+            upright = len(rows) > 6
+            ax.set_xticks(x, [label.replace("\n", ", ") for label in labels] if upright else labels,
+                          fontsize="small" if len(rows) <= 4 else "x-small", rotation=90 if upright else 0)
             ax.set_ylabel(unit)
             ax.grid(axis="y", alpha=0.3)
         ax_actor.set_title(f"{agent} {task}: actors")
