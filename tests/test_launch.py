@@ -7,6 +7,7 @@ Flag validation runs in-process, with one run of the script itself.
 (Crashes of the learner and the launcher: tests/test_faults.py.)
 """
 
+import dataclasses
 import json
 import os
 import pty
@@ -542,3 +543,6 @@ def test_the_replay_window_watch_says_once_when_a_min_size_table_sits_at_its_flo
     ratio = ReplayWindowWatch(D4PGConfig(min_replay_size=1000), hold_s=60.0)
     assert ratio.update(0.0, 10, 1000) is None and ratio.update(100.0, 500, 1000) is None
     assert ReplayWindowWatch(config, hold_s=60.0).update(0.0, 10, None) is None
+    # A floor at the table's capacity: the window is the whole table asked for, not a narrow one.
+    full = ReplayWindowWatch(dataclasses.replace(config, min_replay_size=2000, max_replay_size=2100), hold_s=60.0)
+    assert full.update(0.0, 10, 2000) is None and full.update(100.0, 500, 2000) is None

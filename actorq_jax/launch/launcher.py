@@ -831,6 +831,9 @@ class ReplayWindowWatch:
         # At its floor the table's size moves by a batch's removals and an episode's inserts; a tenth of the
         # floor (at least a batch) above it still counts as held there.
         self.margin = max(int(getattr(agent_config, "batch_size", 1)), (self.floor or 0) // 10)
+        capacity = getattr(agent_config, "max_replay_size", None)
+        if self.floor is not None and capacity is not None and self.floor + self.margin >= int(capacity):
+            self.floor = None  # a floor at the table's capacity: the window is the whole table the user asked for
         self.hold_s = hold_s
         self._since: Optional[float] = None
         self._steps_since = 0
