@@ -303,7 +303,7 @@ class Launcher:
         return summary
 
     def _start_run(self, replay: Worker, learner: Worker, progress_factory: Any, start: float, attempt: int = 1) -> int:
-        """Starts the service, the learner, then actors and evaluator; watches them; the run's exit code."""
+        """Starts the service, then the learner, actors and evaluator; watches them; the run's exit code."""
         run = self.run
         self._start(replay)
         try:
@@ -331,6 +331,14 @@ class Launcher:
         self._say_unreadable_replay(self.channel.read("replay").get("restored", {}))
         self._say(f"replay service up; remote actors join with: python -m actorq_jax.launch.actor --server "
                   f"{self._joins(server)}")
+        # Actors and the evaluator need only the service: they build their policies while the learner builds its
+        # state and compiles its step, then wait there for its first parameters.
+        for i in range(run.num_actors):
+            self.workers.append(Worker(f"actor_{i}", "actor", ["--actor_id", str(i), "--server", server],
+                                       run.actor_threads))
+        self.workers.append(Worker("evaluator", "evaluator", ["--server", server], run.actor_threads))
+        for w in self.workers[2:]:
+            self._start(w)
         if self._wait_for(learner, "phase") is None:
             return 1
         restored = self.channel.read("learner").get("restored", {})
@@ -338,12 +346,6 @@ class Launcher:
             self._say(f"resumed at learner step {restored.get('learner_steps', 0):,d} with "
                       f"{restored.get('items', 0):,d} replay items")
         self._say_unreadable(restored)
-        for i in range(run.num_actors):
-            self.workers.append(Worker(f"actor_{i}", "actor", ["--actor_id", str(i), "--server", server],
-                                       run.actor_threads))
-        self.workers.append(Worker("evaluator", "evaluator", ["--server", server], run.actor_threads))
-        for w in self.workers[2:]:
-            self._start(w)
         with progress_factory() as progress:
             return self._watch(replay, learner, progress, start)
 
