@@ -454,6 +454,22 @@ def test_wait_for_first_times_out_with_clear_message():
 
 
 @pytest.mark.process
+@pytest.mark.timeout(30)
+def test_wait_for_first_ends_at_a_stop_before_anything_is_published():
+    # An actor started beside a learner that is still starting (or never starts) leaves at once when stopped.
+    with ReplayServer([make_variables_table()]) as server:
+        with VariableClient(server.address) as client:
+            stop = threading.Event()
+            threading.Timer(0.5, stop.set).start()
+            started = time.monotonic()
+            assert client.wait_for_first(timeout_s=20, stopped=stop.is_set) is None
+            assert 0.4 <= time.monotonic() - started < 5.0
+            # Published before any stop: the parameters, as without one.
+            VariablePublisher(wait_for_server(server.address, 10), config=INT8).publish(small_params(1), version=1)
+            assert client.wait_for_first(timeout_s=20, stopped=threading.Event().is_set) is not None
+
+
+@pytest.mark.process
 @pytest.mark.timeout(60)
 def test_update_counts_several_env_steps_at_once():
     with ReplayServer([make_variables_table()]) as server:

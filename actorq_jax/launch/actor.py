@@ -169,7 +169,9 @@ class Actor:
         self.variables = VariableClient(self.address, runtime.VARIABLES_TABLE, update_period=self.run.update_period,
                                         like=self.like, load_fn=self.load_fn, raise_errors=False)
         try:
-            self.variables.wait_for_first(FIRST_VARIABLES_TIMEOUT_S)
+            # A stop while the learner is still starting (or failed to start) ends the wait at once.
+            if self.variables.wait_for_first(FIRST_VARIABLES_TIMEOUT_S, stopped=self.stop.is_set) is None:
+                return False
         except TimeoutError:
             if self.link.wait():  # the server is up but publishes nothing: a clear error, not a hang
                 raise

@@ -230,11 +230,15 @@ class VariableClient:
         self._raise_pending_error()
         return bool(done) and not self._stopping
 
-    def wait_for_first(self, timeout_s: float = 60.0, poll_s: float = 0.1) -> Any:
-        """Blocks until params exist and returns them; TimeoutError if none within timeout_s."""
+    def wait_for_first(self, timeout_s: float = 60.0, poll_s: float = 0.1,
+                       stopped: Callable[[], bool] = lambda: False) -> Any:
+        """Blocks until params exist and returns them; None once `stopped()` is true first; TimeoutError if none
+        within timeout_s."""
         deadline = time.monotonic() + timeout_s
         cause: Optional[BaseException] = None
         while self.params is None:
+            if stopped():
+                return None
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
