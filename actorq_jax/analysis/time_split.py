@@ -171,12 +171,12 @@ def plot_time_split(table: pd.DataFrame) -> Figure:
     cases = list(dict.fromkeys(zip(table["agent"], table["task"])))
     if not cases:
         raise ValueError("no runs with actor episodes to plot")
+    case_rows = [table[(table["agent"] == agent) & (table["task"] == task)] for agent, task in cases]
     # A case of many bars gets room below its axes for its upright labels.
-    heights = [3.9 + (2.6 if int(((table["agent"] == a) & (table["task"] == t)).sum()) > 6 else 0.0) for a, t in cases]
+    heights = [3.9 + (2.6 if len(rows) > 6 else 0.0) for rows in case_rows]
     fig = Figure(figsize=(12.0, sum(heights)), layout="constrained")
     axes = fig.subplots(len(cases), 2, squeeze=False, gridspec_kw={"height_ratios": heights})
-    for (ax_actor, ax_learner), (agent, task) in zip(axes, cases):
-        rows = table[(table["agent"] == agent) & (table["task"] == task)]
+    for (ax_actor, ax_learner), (agent, task), rows in zip(axes, cases, case_rows):
         labels = [f"{r.layout} {r.actors} {r.policy}\n{r.regime}, {short_machine(r.machine)}\nq={r.bits}"
                   f"{_wire(r.bits, r.comm_bits)}\n"
                   f"bound: {_short_bound(r.bound_by)}" for r in rows.itertuples(index=False)]

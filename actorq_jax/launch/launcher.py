@@ -424,9 +424,9 @@ class Launcher:
                 last_steps, last_time = env_steps, now
             evals.poll()
             # The replay table's size: a learner as fast as free-running actors holds it at --min_replay_size.
-            items = status.get("replay_items")
-            window = f"  replay {int(items):>9,d}" if items is not None else ""
-            narrow = window_watch.update(now, learner_steps, None if items is None else int(items))
+            items = None if status.get("replay_items") is None else int(status["replay_items"])
+            window = f"  replay {items:>9,d}" if items is not None else ""
+            narrow = window_watch.update(now, learner_steps, items)
             if narrow:
                 self._say(narrow)
             progress.update(
@@ -827,15 +827,15 @@ class ReplayWindowWatch:
     """
 
     def __init__(self, agent_config: Any, hold_s: float = NARROW_WINDOW_HOLD_S):
-        regime = getattr(agent_config, "rate_limiter", "ratio")
-        self.floor: Optional[int] = int(agent_config.min_replay_size) if regime == "min_size" else None
-        self.times = int(getattr(agent_config, "max_times_sampled", 0))
+        floor = int(agent_config.min_replay_size)
+        self.times = int(agent_config.max_times_sampled)
         # At its floor the table's size moves by a batch's removals and an episode's inserts; a tenth of the
         # floor (at least a batch) above it still counts as held there.
-        self.margin = max(int(getattr(agent_config, "batch_size", 1)), (self.floor or 0) // 10)
-        capacity = getattr(agent_config, "max_replay_size", None)
-        if self.floor is not None and capacity is not None and self.floor + self.margin >= int(capacity):
-            self.floor = None  # a floor at the table's capacity: the window is the whole table the user asked for
+        self.margin = max(int(agent_config.batch_size), floor // 10)
+        # Watched in the min_size regime only, and not with a floor at the table's capacity: the window is then the
+        # whole table the user asked for.
+        watched = agent_config.rate_limiter == "min_size" and floor + self.margin < int(agent_config.max_replay_size)
+        self.floor: Optional[int] = floor if watched else None
         self.hold_s = hold_s
         self._since: Optional[float] = None
         self._steps_since = 0
