@@ -182,7 +182,11 @@ def test_a_process_with_threads_starts_the_template_as_a_process_of_its_own(tmp_
         forker = WorkerForker(tmp_path / "template.log", worker_env())
         template = forker.ensure_running()
         try:
-            assert command_words(psutil.Process(template.pid))[-2:] == ["-m", "actorq_jax.launch.forker"]
+            # Popen returns once the exec began; /proc/PID/cmdline reads empty until the kernel has set up the
+            # new image's arguments, a moment later.
+            process = psutil.Process(template.pid)
+            wait_for(lambda: command_words(process) != [], 30, "the template's command line", template)
+            assert command_words(process)[-2:] == ["-m", "actorq_jax.launch.forker"]
         finally:
             forker.close()
     finally:
