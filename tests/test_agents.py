@@ -225,6 +225,22 @@ def test_run_config_rejects_bad_values_naming_the_flag():
     assert RunConfig(task="CartPole-v1", results_dir="r", comm_bits=16).wire_bits == 16
 
 
+@pytest.mark.parametrize("agent", ["d4pg", "dqn", "tiny"])
+def test_the_learners_jitted_init_gives_the_eager_init_bit_for_bit(agent, request):
+    """The learner compiles init_state whole: seeded runs start from the state the eager init gives."""
+    if agent == "tiny":
+        request.getfixturevalue("tiny_agent")
+    entry = get_agent(agent)
+    config = entry.config_class()
+    spec = environment_spec(make_environment(entry.default_task, seed=0))
+    builder = runtime.make_builder(agent, config, spec)
+    eager = builder.init_state(jax.random.PRNGKey(11))
+    jitted = jax.jit(builder.init_state)(jax.random.PRNGKey(11))
+    assert jax.tree_util.tree_structure(jitted) == jax.tree_util.tree_structure(eager)
+    for a, b in zip(jax.tree_util.tree_leaves(eager), jax.tree_util.tree_leaves(jitted)):
+        assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
+
+
 @pytest.mark.parametrize("agent", ["d4pg", "dqn"])
 def test_a_vector_policy_acts_for_k_environments_as_k_single_environment_actors(agent):
     """Row k of one batched call equals what a one-environment actor in exploration slot k would do."""

@@ -20,6 +20,7 @@ from actorq_jax.quantization import (
     from_wire,
     is_quantized_leaf,
     quantize,
+    quantized_shapes,
     to_wire,
     wire_nbytes,
 )
@@ -439,6 +440,31 @@ def test_mismatched_payload_names_the_leaf():
     # like may be the quantized tree itself, or shape structs
     from_wire(arrays, like=quantize(net, cfg))
     from_wire(arrays, like=jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), net))
+
+
+@pytest.mark.parametrize("bits", [4, 8, 16, 32])
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_quantized_shapes_of_a_shape_only_template_are_what_quantize_returns(bits, granularity):
+    # What actors and the evaluator check payloads against: the network's eval_shape'd init, never computed.
+    cfg = QuantConfig(bits=bits, granularity=granularity)
+    net = {"params": {"Dense_0": {"kernel": jnp.ones((8, 64)), "bias": jnp.zeros(64)},
+                      "Dense_1": {"kernel": jnp.ones((64, 32)), "bias": jnp.zeros(32)}}}
+    template = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), net)
+    shapes = quantized_shapes(template, cfg)
+    real = quantize(net, cfg)
+    flat_shapes, tree_shapes = jax.tree_util.tree_flatten(shapes)
+    flat_real, tree_real = jax.tree_util.tree_flatten(real)
+    assert tree_shapes == tree_real
+    assert all(isinstance(s, jax.ShapeDtypeStruct) for s in flat_shapes)
+    assert [(s.shape, s.dtype) for s in flat_shapes] == [(np.shape(r), r.dtype) for r in flat_real]
+    back, version = from_wire(to_wire(real, version=3), like=shapes)
+    assert version == 3 and jax.tree_util.tree_structure(back) == tree_real
+    for a, b in zip(jax.tree_util.tree_leaves(back), flat_real):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    wider = dict(template["params"], Dense_1={"kernel": jax.ShapeDtypeStruct((64, 48), jnp.float32),
+                                              "bias": jax.ShapeDtypeStruct((48,), jnp.float32)})
+    with pytest.raises(ValueError, match=r"params/Dense_1/kernel: payload shape \(64, 32\) != network shape \(64, 48\)"):
+        from_wire(to_wire(real), like=quantized_shapes({"params": wider}, cfg))
 
 
 def _header(arrays):

@@ -226,6 +226,8 @@ class AgentBuilder(abc.ABC):
         """The policy without exploration, for evaluation."""
 
     def params_template(self) -> chex.ArrayTree:
-        """Float actor parameters of the right structure (for checking incoming payloads)."""
-        obs = jnp.zeros((1, self.spec.observation_dim), jnp.float32)
-        return self.actor_network.init(jax.random.PRNGKey(0), obs)
+        """The float actor parameters' structure, shapes and dtypes (jax.ShapeDtypeStruct leaves; computes nothing)."""
+        # Only the structure is wanted (checking incoming payloads): an eager init would compile and run every
+        # initializer in each actor and the evaluator at start-up, about a CPU-second each.
+        obs = jax.ShapeDtypeStruct((1, self.spec.observation_dim), jnp.float32)
+        return jax.eval_shape(self.actor_network.init, jax.random.PRNGKey(0), obs)

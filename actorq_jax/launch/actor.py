@@ -119,7 +119,7 @@ class Actor:
                  restart: int = 0, server_timeout_s: Optional[float] = None):
         from actorq_jax.environments import environment_spec
         from actorq_jax.launch.precision import ActorPrecision, describe_backend, make_param_loader, resolve_backend
-        from actorq_jax.quantization import QuantConfig, quantize
+        from actorq_jax.quantization import QuantConfig, quantized_shapes
         from actorq_jax.telemetry import PhaseTimer
 
         self.run, self.agent_config, self.actor_id, self.address, self.stop = run, agent_config, actor_id, address, stop
@@ -139,7 +139,8 @@ class Actor:
             kernels.set_num_threads(max(1, run.actor_threads))
             log.info("%s", kernels.describe_kernel())
         self.load_fn = make_param_loader(precision)
-        self.like = quantize(self.builder.params_template(), QuantConfig(bits=run.wire_bits, granularity=run.granularity))
+        self.like = quantized_shapes(self.builder.params_template(),
+                                     QuantConfig(bits=run.wire_bits, granularity=run.granularity))
         if server_timeout_s is None:
             server_timeout_s = run.server_timeout_s
         # The main loop's progress, told to the id lease by run_actor (a hung loop gives the id back: leases.py).

@@ -56,7 +56,7 @@ class Evaluator:
 
     def __init__(self, run: Any, agent_config: Any, address: str, stop: Optional[Any] = None):
         from actorq_jax.environments import environment_spec, make_environment
-        from actorq_jax.quantization import QuantConfig, dequantize, quantize
+        from actorq_jax.quantization import QuantConfig, dequantize, quantized_shapes
         from actorq_jax.replay import VariableClient, wait_for_server
 
         self.run = run
@@ -72,7 +72,8 @@ class Evaluator:
         # Refreshed by hand (update_period is irrelevant): the evaluator polls for new versions. A learner that
         # restarts is away for a moment: keep the last policy and go on rather than fail (errors are logged).
         self.variables = VariableClient(address, runtime.EVAL_VARIABLES_TABLE, update_period=1,
-                                        like=quantize(builder.params_template(), QuantConfig(bits=32)), raise_errors=False)
+                                        like=quantized_shapes(builder.params_template(), QuantConfig(bits=32)),
+                                        raise_errors=False)
         # Status reports (files locally, the replay service's tables under Ray).
         self.channel = make_channel(run, self.results_dir, address)
         # Wall time counts from the launcher's start, so eval.csv lines up with every other stream.

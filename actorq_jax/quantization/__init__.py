@@ -22,6 +22,7 @@ from actorq_jax.quantization.core import (
     fake_quant,
     is_quantized_leaf,
     quantize,
+    quantized_shapes,
 )
 from actorq_jax.quantization.wire import from_wire, to_wire, wire_nbytes
 
@@ -30,6 +31,7 @@ __all__ = [
     "QuantizedTensor",
     "QuantizedParams",
     "quantize",
+    "quantized_shapes",
     "dequantize",
     "dequantize_tensor",
     "fake_quant",

@@ -194,6 +194,15 @@ def quantize(params, config: QuantConfig = QuantConfig()) -> QuantizedParams:
     return _quantize_jit(params, config)
 
 
+def quantized_shapes(params, config: QuantConfig = QuantConfig()) -> QuantizedParams:
+    """What ``quantize(params, config)`` returns, as jax.ShapeDtypeStruct leaves: computes nothing.
+
+    ``params`` may itself hold ShapeDtypeStruct leaves (a network's ``jax.eval_shape``'d init); the result is
+    what ``from_wire`` needs as ``like`` to check a payload's structure and shapes.
+    """
+    return jax.eval_shape(lambda p: quantize(p, config), params)
+
+
 def dequantize(qparams: QuantizedParams):
     """Float32 tree of the original structure (QuantizedTensor and half leaves -> float32).
 
