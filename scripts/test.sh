@@ -14,8 +14,9 @@ export MUJOCO_GL="${MUJOCO_GL:-disable}"
 # restarts, timeouts and its own start-up, which the other worker fills. ACTORQ_TEST_WORKERS=N sets N (1: serial).
 # tests/conftest.py collects the long modules first; `xdist_group` keeps a module's shared fixture on one worker.
 WORKERS="${ACTORQ_TEST_WORKERS:-$(( $(nproc) >= 2 ? 2 : 1 ))}"
-# A worker that dies (a crash in native code) ends the run at once, naming its test: a replacement worker under
-# loadgroup scheduling can sit idle while the run waits for it until CI's limit.
+# A worker that dies (a crash in native code, a test past its timeout) is not replaced: its test is reported failed
+# and the other worker runs the rest. A replacement worker under loadgroup scheduling can sit idle while the run
+# waits for it until CI's limit.
 if [ "$WORKERS" -gt 1 ]; then
   exec .venv/bin/python -m pytest -n "$WORKERS" --dist loadgroup --max-worker-restart 0 tests "$@"
 fi
