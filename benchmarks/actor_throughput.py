@@ -72,7 +72,7 @@ def _serve(backend: str, bits: int, envs: int, publish_every: float, stop: threa
     service.serve_in_thread(stop)  # the actor's id lease and its rows' acknowledgements
     client = service.client
     publisher = VariablePublisher(client, runtime.VARIABLES_TABLE, QuantConfig(bits=bits))
-    params = jax.device_get(builder.params_template())
+    params = jax.device_get(builder.init_actor_params(jax.random.PRNGKey(0)))
 
     def publish_loop() -> None:
         version = 0

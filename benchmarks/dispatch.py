@@ -67,7 +67,8 @@ def _worker(policy: str, bits: int, envs: int, steps: int) -> Dict[str, float]:
     builder = entry.make_builder(entry.config_class(policy_layers=POLICIES[policy]), environment_spec(envs_.envs[0]))
     act = vector_env.make_vector_act(builder.vector_behaviour_policy(0, 1, envs))
     precision = ActorPrecision(actor_bits=bits, comm_bits=bits)
-    params = make_param_loader(precision)(quantize(jax.device_get(builder.params_template()), precision.wire_quant()))
+    initial = jax.device_get(builder.init_actor_params(jax.random.PRNGKey(0)))
+    params = make_param_loader(precision)(quantize(initial, precision.wire_quant()))
     for k in range(envs):
         envs_.reset(k)
     per_step: Dict[str, List[float]] = {"inference_wall": [], "inference_cpu": [], "env_wall": [], "env_cpu": []}

@@ -242,6 +242,20 @@ def test_the_learners_jitted_init_gives_the_eager_init_bit_for_bit(agent, reques
 
 
 @pytest.mark.parametrize("agent", ["d4pg", "dqn"])
+def test_the_params_template_describes_the_actor_parameters_without_values(agent):
+    """Actors check payloads against the template: ShapeDtypeStructs of what the actor network's init gives."""
+    entry = get_agent(agent)
+    builder = runtime.make_builder(agent, entry.config_class(), environment_spec(make_environment(entry.default_task, seed=0)))
+    template, params = builder.params_template(), builder.init_actor_params(jax.random.PRNGKey(3))
+    assert jax.tree_util.tree_structure(template) == jax.tree_util.tree_structure(params)
+    assert all(isinstance(t, jax.ShapeDtypeStruct) for t in jax.tree_util.tree_leaves(template))
+    assert ([(t.shape, t.dtype) for t in jax.tree_util.tree_leaves(template)]
+            == [(p.shape, p.dtype) for p in jax.tree_util.tree_leaves(params)])
+    assert jax.tree_util.tree_structure(builder.actor_params(builder.init_state(jax.random.PRNGKey(0)))) == \
+        jax.tree_util.tree_structure(template)
+
+
+@pytest.mark.parametrize("agent", ["d4pg", "dqn"])
 def test_a_vector_policy_acts_for_k_environments_as_k_single_environment_actors(agent):
     """Row k of one batched call equals what a one-environment actor in exploration slot k would do."""
     from actorq_jax.agents.builder import exploration_slots, single_env

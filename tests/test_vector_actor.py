@@ -11,7 +11,6 @@ import json
 import threading
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import reverb
@@ -136,8 +135,7 @@ def test_k4_int8_actions_match_the_fakequant_reference():
     spec = environment_spec(make_environment("walker_walk", seed=0))
     builder = runtime.make_builder("d4pg", D4PGConfig(policy_layers=(256, 256, 256)), spec)
     act = vector_env.make_vector_act(builder.vector_behaviour_policy(0, 2, 4))
-    params = builder.actor_network.init(jax.random.PRNGKey(0), jnp.zeros((1, spec.observation_dim), jnp.float32))
-    wire = quantize(jax.device_get(params), QuantConfig(bits=8))
+    wire = quantize(jax.device_get(builder.init_actor_params(jax.random.PRNGKey(0))), QuantConfig(bits=8))
     envs = vector_env.VectorEnv("walker_walk", vector_env.env_seeds(0, 0, 0, 4))
     for k in range(4):
         envs.reset(k)

@@ -231,3 +231,7 @@ class AgentBuilder(abc.ABC):
         # initializer in each actor and the evaluator at start-up, about a CPU-second each.
         obs = jax.ShapeDtypeStruct((1, self.spec.observation_dim), jnp.float32)
         return jax.eval_shape(self.actor_network.init, jax.random.PRNGKey(0), obs)
+
+    def init_actor_params(self, key: chex.PRNGKey) -> chex.ArrayTree:
+        """Freshly initialised float actor parameters (a policy to run without a learner: benchmarks, tests)."""
+        return self.actor_network.init(key, jnp.zeros((1, self.spec.observation_dim), jnp.float32))
