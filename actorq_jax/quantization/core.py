@@ -194,7 +194,7 @@ def quantize(params, config: QuantConfig = QuantConfig()) -> QuantizedParams:
     return _quantize_jit(params, config)
 
 
-def quantized_shapes(params, config: QuantConfig = QuantConfig()) -> QuantizedParams:
+def quantized_shapes(params: Any, config: QuantConfig = QuantConfig()) -> QuantizedParams:
     """What ``quantize(params, config)`` returns, as jax.ShapeDtypeStruct leaves: computes nothing.
 
     ``params`` may itself hold ShapeDtypeStruct leaves (a network's ``jax.eval_shape``'d init); the result is
