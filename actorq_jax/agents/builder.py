@@ -229,8 +229,7 @@ class AgentBuilder(abc.ABC):
         """The float actor parameters' structure, shapes and dtypes (jax.ShapeDtypeStruct leaves; computes nothing)."""
         # Only the structure is wanted (checking incoming payloads): an eager init would compile and run every
         # initializer in each actor and the evaluator at start-up, about a CPU-second each.
-        obs = jax.ShapeDtypeStruct((1, self.spec.observation_dim), jnp.float32)
-        return jax.eval_shape(self.actor_network.init, jax.random.PRNGKey(0), obs)
+        return jax.eval_shape(self.init_actor_params, jax.random.PRNGKey(0))
 
     def init_actor_params(self, key: chex.PRNGKey) -> chex.ArrayTree:
         """Freshly initialised float actor parameters (a policy to run without a learner: benchmarks, tests)."""
